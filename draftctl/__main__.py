@@ -1,0 +1,5 @@
+import sys
+
+from draftctl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,14 @@
+"""Draft-length controllers behind one small interface, built from spec strings."""
+
+from draftctl.controllers.base import UNBOUNDED, Action, Controller
+from draftctl.controllers.registry import REGISTRY, ControllerSpecError, describe, make_controller
+
+__all__ = [
+           "REGISTRY",
+           "UNBOUNDED",
+           "Action",
+           "Controller",
+           "ControllerSpecError",
+           "describe",
+           "make_controller",
+]

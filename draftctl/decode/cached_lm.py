@@ -1,0 +1,43 @@
+"""A causal LM paired with its KV cache, with rollback by length."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class CachedLM:
+    """Feeds tokens to a transformers causal LM, keeping the KV cache of everything fed.
+
+    Invariant: the cache holds the keys and values of the first ``len(self)`` tokens of the
+    sequence being decoded. Rolling back rejected draft tokens is ``truncate(length)``.
+    Logits are cut to ``vocab_size`` (models may pad their output layer past the tokenizer).
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.forwards = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Feed ``tokens`` (n,) long; return logits (n, vocab) or, with last_only, (1, vocab)."""
+        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
+        self._length += tokens.shape[0]
+        self.forwards += 1
+        return out.logits[0, :, : self.vocab_size]
+
+    def truncate(self, length: int) -> None:
+        """Drop cached positions ``length`` and beyond (no-op if the cache is shorter)."""
+        if length < self._length:
+            self.cache.crop(length - self._length)
+            self._length = length

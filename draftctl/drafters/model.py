@@ -1,0 +1,112 @@
+"""Drafting with a small causal LM that shares the target's vocabulary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from draftctl.controllers.base import Action, Controller
+from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.features import (
+    TOP_K,
+    FeatureRecord,
+    SequenceState,
+    distribution_stats,
+    make_record,
+)
+from draftctl.decode.verify import SamplingConfig
+
+
+@dataclass
+class Draft:
+    """One round's proposal.
+
+    tokens: (k,) long on the device. raw_probs: (k, V) temperature-1 softmax (features, beta
+    in greedy mode). q_draft: (k, V) processed distribution the tokens were sampled from, or
+    None in greedy mode. stats: (k, 1 + TOP_K) ``distribution_stats`` rows.
+    records: the feature records if the controller read them during drafting, else None.
+    """
+
+    tokens: torch.Tensor
+    raw_probs: torch.Tensor
+    q_draft: torch.Tensor | None
+    stats: torch.Tensor
+    records: list[FeatureRecord] | None
+    forwards: int = 0
+    discarded: int = 0
+    controller_s: float = 0.0
+    controller_calls: int = 0
+
+    @classmethod
+    def empty(cls, vocab_size: int, device: torch.device) -> Draft:
+        return cls(torch.empty(0, dtype=torch.long, device=device),
+                   torch.empty(0, vocab_size, device=device), None,
+                   torch.empty(0, 1 + TOP_K, device=device), [])
+
+
+class ModelDrafter:
+    """Proposes tokens one draft-model step at a time, asking the controller after each.
+
+    The draft cache lags the sequence by the tokens it has not seen yet (the last token of the
+    previous round, or two after a full accept: the last draft token and the bonus token);
+    ``propose`` feeds them first ("catch-up"), so the first draft step may process 1-2 tokens.
+    """
+
+    def __init__(self, lm: CachedLM, sampling: SamplingConfig):
+        self.lm = lm
+        self.sampling = sampling
+
+    def reset(self) -> None:
+        self.lm.reset()
+
+    def rollback(self, length: int) -> None:
+        """Keep at most the first ``length`` tokens of the sequence in the draft cache."""
+        self.lm.truncate(length)
+
+    def propose(self, seq: torch.Tensor, budget: int, controller: Controller,
+                state: SequenceState, generator: torch.Generator) -> Draft:
+        """Draft up to ``budget`` tokens after ``seq`` (1-D long on the device)."""
+        if budget <= 0:
+            return Draft.empty(self.lm.vocab_size, seq.device)
+        forwards_before = self.lm.forwards
+        tokens, raw, q_rows, stats, records = [], [], [], [], []
+        controller_s, calls, discarded, cum_top1 = 0.0, 0, 0, 1.0
+        inputs = seq[len(self.lm):]
+        for i in range(budget):
+            logits = self.lm.forward(inputs, last_only=True)  # (1, V)
+            probs = torch.softmax(logits.float(), dim=-1)
+            stat = distribution_stats(probs)
+            if self.sampling.greedy:
+                token = logits.argmax(dim=-1)
+            else:
+                q = self.sampling.probs(logits)
+                token = torch.multinomial(q, 1, generator=generator)[0]
+            if controller.reads_features:
+                record = make_record(stat[0].tolist(), i + 1, cum_top1, state)
+                start = time.perf_counter()
+                action = controller.decide(record)
+                controller_s += time.perf_counter() - start
+                calls += 1
+                if action is Action.DISCARD:
+                    discarded = 1
+                    break
+                records.append(record)
+                cum_top1 = record.cum_top1
+            tokens.append(token)
+            raw.append(probs)
+            stats.append(stat)
+            if not self.sampling.greedy:
+                q_rows.append(q)
+            if controller.reads_features and action is Action.STOP:
+                break
+            inputs = token
+        if not tokens:
+            draft = Draft.empty(self.lm.vocab_size, seq.device)
+        else:
+            draft = Draft(torch.cat(tokens), torch.cat(raw), torch.cat(q_rows) if q_rows else None,
+                          torch.cat(stats), records if controller.reads_features else None)
+        draft.forwards = self.lm.forwards - forwards_before
+        draft.discarded, draft.controller_s, draft.controller_calls = discarded, controller_s, calls
+        return draft

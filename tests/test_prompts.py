@@ -1,0 +1,70 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from draftctl.prompts import PromptFileError, load_prompts, split_of
+
+
+def test_builtin_prompt_set_has_every_task_in_every_split():
+    prompts = load_prompts()
+    assert len(prompts) == 120
+    tasks = {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    for split in ("train", "dev", "test"):
+        chosen = load_prompts(split=split)
+        assert {p.task for p in chosen} == tasks
+        assert all(p.split == split for p in chosen)
+    assert sum(len(load_prompts(split=s)) for s in ("train", "dev", "test")) == 120
+
+
+def test_split_rule():
+    assert [split_of(i) for i in range(10, 15)] == ["train", "train", "train", "dev", "test"]
+
+
+def test_limit_and_prompt_field(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "question_id": i}) for i in range(9)))
+    prompts = load_prompts(path, split="train", limit=4)
+    assert [p.question_id for p in prompts] == [0, 1, 2, 5]
+    assert prompts[0].text == "q0" and prompts[0].category == "default"
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"turns": ["a"]', ], "p.jsonl:1: not valid JSON"),
+    (['{"turns": ["a"], "question_id": 1}', '{"turns": [], "question_id": 2}'],
+     "p.jsonl:2: 'turns' must be a non-empty list"),
+    (['{"text": "a"}'], "needs a 'turns' list or a 'prompt' string"),
+    (['{"prompt": "a", "question_id": 1}', '{"prompt": "b", "question_id": 1}'],
+     "duplicate question_id 1"),
+    (['{"prompt": " "}'], "the first turn is empty"),
+    ([], "holds no prompts"),
+])
+def test_bad_prompt_files_name_the_line_and_problem(tmp_path, lines, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines))
+    with pytest.raises(PromptFileError, match=message):
+        load_prompts(path)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(PromptFileError, match="prompt file not found"):
+        load_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(PromptFileError, match="unknown split 'val'"):
+        load_prompts(split="val")
+    with pytest.raises(PromptFileError, match="limit must be > 0"):
+        load_prompts(limit=0)
+
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench prompts not beside the checkout")
+def test_reads_spec_bench_and_groups_mt_bench():
+    prompts = load_prompts(SPEC_BENCH)
+    assert len(prompts) == 480
+    by_task = {}
+    for p in prompts:
+        by_task[p.task] = by_task.get(p.task, 0) + 1
+    assert by_task == {"mt_bench": 80, "translation": 80, "summarization": 80, "qa": 80,
+                       "math_reasoning": 80, "rag": 80}
+    assert len(load_prompts(SPEC_BENCH, split="test")) == 96
