@@ -6,8 +6,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from draftctl.cli import main
-from draftctl.models import (ModelSpecError, VocabularyMismatchError, builtin_path,
-                             check_same_vocabulary, load_model, resolve_device, resolve_dtype)
+from draftctl.models import (
+    ModelSpecError,
+    VocabularyMismatchError,
+    builtin_path,
+    check_same_vocabulary,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from tests.conftest import tiny_llama
 
 WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(95)]
