@@ -49,6 +49,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if any(r["mismatches"] for r in report["controllers"]) else 0
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from draftctl.distill.run import DistillConfig, run_distill
+
+    overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
+                 "steps": args.steps, "time_budget_min": args.time_budget_min}
+    manifest = run_distill(load_config(DistillConfig, args.config, overrides))
+    print(f"draft written to {args.out or manifest['config']['out']}: eval agreement "
+          f"{manifest['agreement_eval_float32']:.3f} after {manifest['training']['steps']} steps")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftctl", description="Draft-length control for speculative decoding.")
@@ -87,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device")
     demo.add_argument("--out", help="output folder (default runs/demo)")
     demo.set_defaults(func=_demo)
+
+    dist = sub.add_parser("distill", help="distil a small draft model from a target")
+    dist.add_argument("--config", help="YAML recipe (configs/distill.yaml is the shipped one)")
+    dist.add_argument("--target", help="target model spec")
+    dist.add_argument("--out", help="output folder (resumes what it finds there)")
+    dist.add_argument("--prompts", help="JSONL prompt file for the training text")
+    dist.add_argument("--steps", type=int)
+    dist.add_argument("--time-budget-min", type=float)
+    dist.set_defaults(func=_distill)
     return parser
 
 

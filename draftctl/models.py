@@ -46,6 +46,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
+# Drafts distilled by draftctl and shipped inside the package (``draftctl distill``).
+BUILTIN_DRAFTS: dict[str, Path] = {
+    "smollm2-135m-draft": Path(__file__).parent / "data" / "drafts" / "smollm2-135m-draft",
+}
+DEFAULT_DRAFTS = {"smollm2-135m-instruct": "smollm2-135m-draft"}
+
 
 @dataclass
 class LoadedModel:
@@ -111,6 +117,11 @@ def builtin_path(name: str) -> Path:
 
 def _source(spec: str) -> tuple[str, dict]:
     """Map a spec to (``from_pretrained`` first argument, extra keyword arguments)."""
+    if spec in BUILTIN_DRAFTS:
+        if not (BUILTIN_DRAFTS[spec] / "model.safetensors").is_file():
+            raise ModelSpecError(f"built-in draft {spec!r} is not in this install "
+                                 f"({BUILTIN_DRAFTS[spec]} has no model.safetensors)")
+        return str(BUILTIN_DRAFTS[spec]), {}
     if spec in BUILTIN_MODELS:
         gguf = builtin_path(spec)
         return str(gguf.parent), {"gguf_file": gguf.name}
@@ -131,13 +142,21 @@ def _source(spec: str) -> tuple[str, dict]:
 
 
 def load_model(spec: str, device: str | torch.device = "auto",
-               dtype: str | torch.dtype = "auto") -> LoadedModel:
-    """Load the model and tokenizer a spec names, in eval mode on ``device``."""
+               dtype: str | torch.dtype = "auto", target: LoadedModel | None = None) -> LoadedModel:
+    """Load the model and tokenizer a spec names, in eval mode on ``device``.
+
+    target: the already loaded target, when loading its draft. A draftctl-distilled draft
+    reuses this target's embedding and tokenizer if it was distilled from the same spec.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftctl.distill.model import is_draft_folder
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     source, kwargs = _source(spec)
+    if not kwargs and is_draft_folder(source):
+        return _load_distilled(spec, Path(source), dev, torch_dtype, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
@@ -148,6 +167,60 @@ def load_model(spec: str, device: str | torch.device = "auto",
     model.to(dev).eval()
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=dev,
                        dtype=torch_dtype)
+
+
+def _load_distilled(spec: str, folder: Path, device: torch.device, dtype: torch.dtype,
+                    target: LoadedModel | None) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    from draftctl.distill.model import load_draft, read_draft_config
+
+    base = read_draft_config(folder)["target"]
+    if target is not None and target.spec == base:
+        tokenizer = target.tokenizer
+        embedding = target.model.get_input_embeddings().weight.detach().float().cpu()
+    else:
+        source, kwargs = _source(base)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        embedding = input_embedding(base)
+    model = load_draft(folder, embedding).to(device, dtype)
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def input_embedding(spec: str) -> torch.Tensor:
+    """The token embedding matrix (V, hidden) of a model, float32 on the CPU.
+
+    GGUF files are read directly (seconds); other specs load the whole model.
+    """
+    source, kwargs = _source(spec)
+    if "gguf_file" in kwargs:
+        import gguf
+
+        reader = gguf.GGUFReader(Path(source) / kwargs["gguf_file"])
+        tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+    model = load_model(spec, "cpu", "float32").model
+    return model.get_input_embeddings().weight.detach().clone()
+
+
+def model_file_sha256(spec: str) -> str | None:
+    """SHA-256 of the weights a spec loads (the GGUF file, or a folder's weight files hashed
+    in name order); None for a hub id."""
+    import hashlib
+
+    source, kwargs = _source(spec)
+    if "gguf_file" in kwargs:
+        files = [Path(source) / kwargs["gguf_file"]]
+    elif Path(source).is_dir():
+        files = sorted(Path(source).glob("*.safetensors")) or sorted(Path(source).glob("*.bin"))
+    else:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -1,0 +1,1 @@
+"""Distil a small draft model from a target (``draftctl distill``)."""

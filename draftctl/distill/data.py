@@ -1,0 +1,117 @@
+"""Distillation data: the target's own responses, and its soft labels on them.
+
+Stage 1 (``generate_responses``): for each prompt, one greedy and ``samples_per_prompt``
+sampled responses, batched through transformers' ``generate`` (left padding), appended to a
+JSONL file batch by batch so that an interrupted run resumes where it stopped.
+
+Stage 2 (``teacher_labels``): one teacher-forced target pass per sequence; for every response
+position keep the target's top-k probabilities restricted to the draft's head tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftctl.models import encode_prompt
+from draftctl.prompts import Prompt
+
+
+def _done_keys(path: Path) -> set[tuple[int, int]]:
+    """(question_id, sample) pairs already written; a torn last line is dropped."""
+    if not path.is_file():
+        return set()
+    keys, good = set(), 0
+    with path.open("rb") as handle:
+        for line in handle:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            keys.add((row["question_id"], row["sample"]))
+            good += len(line)
+    if good < path.stat().st_size:  # truncate a partial line left by a kill
+        with path.open("r+b") as handle:
+            handle.truncate(good)
+    return keys
+
+
+def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, *,
+                       samples_per_prompt: int, max_new_tokens: int, temperature: float,
+                       top_p: float, batch_size: int, max_prompt_tokens: int, seed: int,
+                       eos_ids: Iterable[int]) -> None:
+    """Append ``{"question_id", "sample", "prompt_ids", "response_ids"}`` rows to ``path``.
+
+    Sample 0 is greedy; samples 1.. are drawn at ``temperature`` / ``top_p``. Each batch is
+    seeded from (seed, its first key), so a resumed run draws what a straight run would.
+    """
+    eos = sorted(eos_ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    done = _done_keys(path)
+    jobs = []
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt.text)[-max_prompt_tokens:]
+        for sample in range(samples_per_prompt + 1):
+            if (prompt.question_id, sample) not in done:
+                jobs.append((prompt.question_id, sample, ids))
+    # Greedy and sampled jobs go in separate batches; similar lengths together cut padding.
+    jobs.sort(key=lambda job: len(job[2]))
+    batches = [group[i:i + batch_size]
+               for group in ([j for j in jobs if j[1] == 0], [j for j in jobs if j[1] > 0])
+               for i in range(0, len(group), batch_size)]
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(jobs), desc="target responses", unit="resp")
+    with path.open("a", encoding="utf-8") as out:
+        for batch in batches:
+            greedy = batch[0][1] == 0
+            width = max(len(j[2]) for j in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (_, _, ids) in enumerate(batch):
+                input_ids[row, width - len(ids):] = torch.tensor(ids)
+                mask[row, width - len(ids):] = 1
+            torch.manual_seed(seed * 1_000_003 + batch[0][0] * 97 + batch[0][1])
+            with torch.inference_mode():
+                generated = model.generate(
+                    input_ids.to(device), attention_mask=mask.to(device),
+                    max_new_tokens=max_new_tokens, do_sample=not greedy,
+                    temperature=None if greedy else temperature,
+                    top_p=None if greedy else top_p, top_k=None,
+                    eos_token_id=eos, pad_token_id=pad)
+            for row, (qid, sample, ids) in enumerate(batch):
+                response = generated[row, width:].tolist()
+                end = next((i + 1 for i, t in enumerate(response) if t in eos), len(response))
+                out.write(json.dumps({"question_id": qid, "sample": sample, "prompt_ids": ids,
+                                      "response_ids": response[:end]}) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+            bar.update(len(batch))
+    bar.close()
+
+
+def read_responses(path: Path) -> list[dict]:
+    _done_keys(path)
+    with path.open(encoding="utf-8") as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    rows.sort(key=lambda r: (r["question_id"], r["sample"]))
+    return rows
+
+
+def choose_head_ids(rows: Sequence[dict], head_size: int, always: Iterable[int],
+                    vocab_size: int) -> torch.Tensor:
+    """The ``head_size`` most frequent ids of the responses and prompts, plus ``always``."""
+    counts = Counter()
+    for row in rows:
+        counts.update(row["response_ids"])
+        counts.update(row["prompt_ids"])
+    chosen = list(dict.fromkeys([*always, *(t for t, _ in counts.most_common())]))[:head_size]
+    if len(chosen) < head_size:  # pad with the lowest unused ids so the head has a fixed size
+        used = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in used][: head_size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)

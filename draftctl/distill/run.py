@@ -1,0 +1,247 @@
+"""``draftctl distill``: knowledge distillation of a small draft from a target.
+
+Stages, each resumable from what it left in ``out``:
+
+1. ``data/responses.jsonl``: the target's greedy and sampled responses to the prompts;
+   ``data/eval.jsonl``: its greedy responses to held-out prompts (agreement is measured there).
+2. ``data/teacher.pt``: head token ids and the target's top-k soft labels on every response
+   position (one teacher-forced pass per sequence).
+3. ``checkpoint.pt``: training state, written atomically every ``checkpoint_every`` steps.
+4. ``config.json``, ``model.safetensors``, ``manifest.json``: the finished draft.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftctl.config import save_config
+from draftctl.distill.data import choose_head_ids, generate_responses, read_responses
+from draftctl.distill.model import DraftLM, from_target, save_draft, trainable_state
+from draftctl.errors import DraftctlError
+from draftctl.models import DEFAULT_TARGET, LoadedModel, load_model, model_file_sha256
+from draftctl.prompts import load_prompts
+
+
+@dataclass
+class DistillConfig:
+    target: str = DEFAULT_TARGET
+    out: str = "runs/distill"
+    prompts: str | None = None  # JSONL prompt file; default: draftctl's own set
+    split: str = "train"
+    limit: int | None = None
+    samples_per_prompt: int = 1  # sampled responses per prompt, besides the greedy one
+    max_new_tokens: int = 192
+    temperature: float = 0.8
+    top_p: float = 0.95
+    gen_batch: int = 16
+    max_prompt_tokens: int = 384
+    eval_prompts: str | None = None  # default: same file as prompts
+    eval_split: str = "dev"
+    eval_limit: int = 24
+    eval_max_new_tokens: int = 128
+    n_layers: int = 4
+    head_size: int = 8192
+    teacher_top_k: int = 32
+    steps: int = 3000
+    batch_sequences: int = 4
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    time_budget_min: float | None = None  # stop training early when reached
+    eval_every: int = 250
+    checkpoint_every: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None
+    notes: str = ""
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int) -> dict:
+    """Per response position: the target's top-k probabilities over the head tokens.
+
+    Returns {"sequences": [(tokens (L,), first_response_pos)], "label_ids": [(n, k) head
+    indices], "label_probs": [(n, k)]}; position j of a sequence predicts token j + 1.
+    """
+    device = next(model.parameters()).device
+    head_ids = head_ids.to(device)
+    sequences, label_ids, label_probs = [], [], []
+    for row in tqdm(rows, desc="teacher labels", unit="seq"):
+        if not row["response_ids"]:
+            continue
+        tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        start = len(row["prompt_ids"]) - 1  # this position predicts the first response token
+        with torch.inference_mode():
+            logits = model(tokens[None].to(device)).logits[0, start:-1].float()
+        probs = torch.softmax(logits, -1)[:, head_ids]
+        top = probs.topk(top_k, dim=-1)
+        sequences.append((tokens, start))
+        label_ids.append(top.indices.to(torch.int16).cpu())
+        label_probs.append(top.values.to(torch.float16).cpu())
+    return {"sequences": sequences, "label_ids": label_ids, "label_probs": label_probs}
+
+
+def distill_loss(draft: DraftLM, tokens: torch.Tensor, start: int, label_ids: torch.Tensor,
+                 label_probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the draft's head distribution against the teacher's top-k labels
+    (renormalised), summed over response positions."""
+    hidden = draft.model(input_ids=tokens[None], use_cache=False).last_hidden_state[0, start:-1]
+    log_q = torch.log_softmax(draft.head_logits(hidden), dim=-1)
+    target = label_probs.float()
+    target = target / target.sum(-1, keepdim=True)
+    return -(target * log_q.gather(-1, label_ids.long())).sum()
+
+
+@torch.inference_mode()
+def agreement(draft: DraftLM, rows: list[dict]) -> float:
+    """Greedy top-1 agreement of the draft with the target along the target's greedy output."""
+    hits = total = 0
+    for row in rows:
+        if not row["response_ids"]:
+            continue
+        tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        start = len(row["prompt_ids"]) - 1
+        hidden = draft.model(input_ids=tokens[None], use_cache=False).last_hidden_state
+        hidden = hidden[0, start:-1]
+        guess = draft.head_ids[draft.head_logits(hidden).argmax(-1)]
+        hits += int((guess == tokens[start + 1:]).sum())
+        total += len(row["response_ids"])
+    return hits / total if total else float("nan")
+
+
+def run_distill(cfg: DistillConfig) -> dict:
+    """Run (or resume) every stage; returns the manifest of the finished draft."""
+    started = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "distill.yaml")
+    target = load_model(cfg.target, cfg.device, "float32")
+    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit)
+    eval_prompts = load_prompts(cfg.eval_prompts or cfg.prompts, cfg.eval_split, cfg.eval_limit)
+    if {p.question_id for p in prompts} & {p.question_id for p in eval_prompts}:
+        raise DraftctlError("training and evaluation prompts overlap; use distinct splits")
+
+    common = {"max_prompt_tokens": cfg.max_prompt_tokens, "temperature": cfg.temperature,
+              "top_p": cfg.top_p, "batch_size": cfg.gen_batch, "seed": cfg.seed,
+              "eos_ids": target.eos_token_ids}
+    generate_responses(target.model, target.tokenizer, prompts, out / "data" / "responses.jsonl",
+                       samples_per_prompt=cfg.samples_per_prompt,
+                       max_new_tokens=cfg.max_new_tokens, **common)
+    generate_responses(target.model, target.tokenizer, eval_prompts, out / "data" / "eval.jsonl",
+                       samples_per_prompt=0, max_new_tokens=cfg.eval_max_new_tokens, **common)
+    rows = read_responses(out / "data" / "responses.jsonl")
+    eval_rows = read_responses(out / "data" / "eval.jsonl")
+
+    teacher_path = out / "data" / "teacher.pt"
+    if teacher_path.is_file():
+        teacher = torch.load(teacher_path)
+    else:
+        head_ids = choose_head_ids(rows, cfg.head_size, target.eos_token_ids,
+                                   len(target.tokenizer))
+        teacher = {"head_ids": head_ids,
+                   **teacher_labels(target.model, rows, head_ids, cfg.teacher_top_k)}
+        _atomic_save(teacher, teacher_path)
+
+    draft, history, step = _train(cfg, target, teacher, eval_rows, out)
+    final_agreement = agreement(draft, eval_rows)
+    data_tokens = sum(len(r["response_ids"]) for r in rows)
+    manifest = {
+        "format": "draftctl-distilled-draft/1",
+        "teacher": {"spec": cfg.target, "sha256": model_file_sha256(cfg.target)},
+        "data": {"prompt_file": str(cfg.prompts or "draftctl built-in prompts"),
+                 "split": cfg.split, "prompts": len(prompts), "responses": len(rows),
+                 "response_tokens": data_tokens, "eval_split": cfg.eval_split,
+                 "eval_prompts": len(eval_prompts),
+                 "responses_sha256": _sha256(out / "data" / "responses.jsonl")},
+        "architecture": {"n_layers": cfg.n_layers, "head_size": cfg.head_size,
+                         "embedding": "target's, frozen; head tied to it"},
+        "training": {"steps": step, "history": history},
+        "agreement_eval_float32": final_agreement,
+        "config": asdict(cfg),
+        "made_on": {"device": str(target.device), "threads": torch.get_num_threads(),
+                    "machine": platform.machine(), "torch": torch.__version__},
+        "wall_minutes_this_run": (time.time() - started) / 60,
+    }
+    save_draft(draft, out, cfg.target, manifest)
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: list[dict],
+           out: Path) -> tuple[DraftLM, list, int]:
+    torch.manual_seed(cfg.seed)
+    draft = from_target(target.model, cfg.n_layers, teacher["head_ids"])
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(
+        1, cfg.warmup_steps)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    step, history, spent = 0, [], 0.0
+    ckpt = out / "checkpoint.pt"
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        draft.model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step, history, spent = state["step"], state["history"], state["spent_s"]
+        random.setstate(state["python_rng"])
+    else:
+        random.seed(cfg.seed)
+        history.append({"step": 0, "agreement": agreement(draft, eval_rows)})
+    n = len(teacher["sequences"])
+    order = list(range(n))
+    budget_s = cfg.time_budget_min * 60 if cfg.time_budget_min else math.inf
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step")
+    draft.train()
+    mark = time.time()
+    while step < cfg.steps and spent + (time.time() - mark) < budget_s:
+        batch = random.sample(order, min(cfg.batch_sequences, n))
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, count = 0.0, 0
+        for i in batch:
+            tokens, start = teacher["sequences"][i]
+            loss = distill_loss(draft, tokens, start, teacher["label_ids"][i],
+                                teacher["label_probs"][i])
+            loss.backward()
+            loss_sum += float(loss.detach())
+            count += len(tokens) - 1 - start
+        for p in params:
+            p.grad /= max(count, 1)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss_sum / max(count, 1):.3f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            draft.eval()
+            history.append({"step": step, "loss": loss_sum / max(count, 1),
+                            "agreement": agreement(draft, eval_rows)})
+            draft.train()
+            bar.write(f"step {step}: eval agreement {history[-1]['agreement']:.3f}")
+        if step % cfg.checkpoint_every == 0:
+            _atomic_save({"model": trainable_state(draft), "optimizer": optimizer.state_dict(),
+                          "schedule": schedule.state_dict(), "step": step, "history": history,
+                          "spent_s": spent + time.time() - mark,
+                          "python_rng": random.getstate()}, ckpt)
+    bar.close()
+    draft.eval()
+    return draft, history, step

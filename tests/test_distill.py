@@ -1,0 +1,94 @@
+"""A tiny distillation end to end: tiny teacher built from a config, a few steps."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftctl.controllers import make_controller
+from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.distill import run as distill_run
+from draftctl.distill.model import DraftFileError, DraftLM
+from draftctl.distill.run import DistillConfig, run_distill
+from draftctl.models import VocabularyMismatchError, load_model
+from tests.test_models import WORDS, save_model
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    teacher = save_model(tmp_path / "teacher")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(
+        json.dumps({"question_id": i, "category": "qa",
+                    "turns": [" ".join(f"w{(i * 7 + j) % 90}" for j in range(3 + i % 4))]})
+        for i in range(20)))
+    config = DistillConfig(target=teacher, out=str(tmp_path / "draft"), prompts=str(prompts),
+                           eval_limit=2, samples_per_prompt=1, max_new_tokens=10, gen_batch=4,
+                           eval_max_new_tokens=10, n_layers=1, head_size=40, teacher_top_k=4,
+                           steps=6, batch_sequences=2, eval_every=3, checkpoint_every=2,
+                           warmup_steps=1, lr=3e-3)
+    return teacher, config
+
+
+def test_distill_writes_a_loadable_lossless_draft(setup):
+    teacher_spec, config = setup
+    manifest = run_distill(config)
+    assert manifest["training"]["steps"] == 6
+    assert manifest["teacher"]["sha256"] and manifest["data"]["responses"] == 24  # 12 x 2
+    assert 0.0 <= manifest["agreement_eval_float32"] <= 1.0
+    target = load_model(teacher_spec, "cpu")
+    draft = load_model(config.out, "cpu", target=target)
+    assert isinstance(draft.model, DraftLM) and draft.model.head_ids.numel() == 40
+    decoder = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=16))
+    ids = target.tokenizer("w3 w4 w5")["input_ids"]
+    reference = generate(decoder, ids, make_controller("none")).output_ids
+    for spec in ("static:3", "svip:0.5"):
+        assert generate(decoder, ids, make_controller(spec)).output_ids == reference
+    # Loaded on its own, it finds its target's embedding and tokenizer from its config.
+    alone = load_model(config.out, "cpu")
+    assert torch.equal(alone.model.head_weight, draft.model.head_weight)
+
+
+def test_distill_resumes_after_an_interruption(setup, monkeypatch):
+    _, config = setup
+    calls = {"n": 0}
+    real_loss = distill_run.distill_loss
+
+    def crashing_loss(*args):
+        calls["n"] += 1
+        if calls["n"] == 10:  # in step 5; the last checkpoint is step 4
+            raise KeyboardInterrupt
+        return real_loss(*args)
+
+    monkeypatch.setattr(distill_run, "distill_loss", crashing_loss)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(config)
+    checkpoint = torch.load(f"{config.out}/checkpoint.pt", weights_only=False)
+    assert checkpoint["step"] == 4
+    calls["n"] = 0
+    manifest = run_distill(config)
+    assert calls["n"] == 2 * 2  # only steps 5 and 6 ran again
+    assert manifest["training"]["steps"] == 6
+    assert [h["step"] for h in manifest["training"]["history"]] == [0, 3, 6]
+
+
+def test_corrupt_draft_weights_are_refused(setup):
+    _, config = setup
+    config.steps = 2
+    run_distill(config)
+    (Path(config.out) / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(DraftFileError, match="model.safetensors are missing or corrupt"):
+        load_model(config.out, "cpu")
+
+
+def test_a_target_with_another_tokenizer_is_refused(setup, tmp_path):
+    _, config = setup
+    config.steps = 2
+    run_distill(config)
+    other = list(WORDS)
+    other[7] = "xx"
+    stranger = load_model(save_model(tmp_path / "stranger", words=other), "cpu")
+    draft = load_model(config.out, "cpu")
+    with pytest.raises(VocabularyMismatchError, match="first at id 7"):
+        SpeculativeDecoder.from_loaded(stranger, draft)
