@@ -11,6 +11,7 @@ from draftctl.config import load_config
 from draftctl.controllers import describe
 from draftctl.errors import DraftctlError
 from draftctl.jobs import DecodeJob, DemoJob, format_table, quick_demo, run_decode, run_demo
+from draftctl.models import default_draft
 
 
 def _decode(args: argparse.Namespace) -> int:
@@ -20,8 +21,8 @@ def _decode(args: argparse.Namespace) -> int:
     if args.raw:
         overrides["chat"] = False
     job = load_config(DecodeJob, args.config, overrides)
-    if args.controller is None and job.draft is None:
-        job.controller = "none"  # no draft model given: plain decoding
+    if args.controller is None and job.draft is None and default_draft(job.target) is None:
+        job.controller = "none"  # no draft model at hand: plain decoding
     result, text = run_decode(job)
     if args.json:
         print(json.dumps({"text": text, **result.summary()}))
@@ -44,8 +45,9 @@ def _demo(args: argparse.Namespace) -> int:
           f"greedy, {job.max_new_tokens} new tokens each")
     print(format_table(report["controllers"]))
     print(f"\nreport: {job.out}/report.json")
-    print("note: the stand-in draft costs as much as the target, so speedups are below 1 until "
-          "the distilled draft ships; tau and acceptance are real.")
+    if "+noise" in report["draft"]:
+        print("note: the stand-in draft costs as much as the target, so speedups are below 1; "
+              "tau and acceptance are real.")
     return 1 if any(r["mismatches"] for r in report["controllers"]) else 0
 
 
@@ -57,6 +59,36 @@ def _distill(args: argparse.Namespace) -> int:
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
     print(f"draft written to {args.out or manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_float32']:.3f} after {manifest['training']['steps']} steps")
+    return 0
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from draftctl.collect.run import CollectConfig, run_collect
+
+    keys = ("target", "draft", "prompts", "split", "limit", "mode", "controller", "k_probe",
+            "max_new_tokens", "temperature", "top_k", "top_p", "seed", "device", "out")
+    cfg = load_config(CollectConfig, args.config, {k: getattr(args, k) for k in keys})
+    summary = run_collect(cfg)
+    print(f"rank {summary['rank']}/{summary['world_size']}: {summary['collected']} of "
+          f"{summary['prompts']} prompts collected into {summary['out']}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from draftctl.train.replay import replay
+
+    specs = [s.strip() for s in args.controllers.split(",") if s.strip()]
+    results = replay(args.traces, specs)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    head = f"{'controller':<18}{'tau':>7}{'drafted':>9}{'wasted':>9}{'target fw':>11}" \
+           f"{'draft fw':>10}{'speedup':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(f"{r['spec']:<18}{r['tau']:>7.2f}{r['drafted']:>9}{r['wasted']:>9.0f}"
+              f"{r['target_forwards']:>11}{r['draft_forwards']:>10}{r['modelled_speedup']:>9.3f}")
     return 0
 
 
@@ -107,6 +139,32 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--steps", type=int)
     dist.add_argument("--time-budget-min", type=float)
     dist.set_defaults(func=_distill)
+
+    col = sub.add_parser("collect", help="record per-token features and outcomes of real SD")
+    col.add_argument("--config", help="YAML config (see configs/collect.yaml)")
+    col.add_argument("--target")
+    col.add_argument("--draft")
+    col.add_argument("--prompts", help="JSONL prompts (turns or prompt field) or a datasets folder")
+    col.add_argument("--split", choices=("train", "dev", "test", "all"))
+    col.add_argument("--limit", type=int)
+    col.add_argument("--mode", choices=("probe", "policy", "dense"))
+    col.add_argument("--controller", help="policy for --mode policy")
+    col.add_argument("--k-probe", type=int)
+    col.add_argument("--max-new-tokens", type=int)
+    col.add_argument("--temperature", type=float)
+    col.add_argument("--top-k", type=int)
+    col.add_argument("--top-p", type=float)
+    col.add_argument("--seed", type=int)
+    col.add_argument("--device")
+    col.add_argument("--out")
+    col.set_defaults(func=_collect)
+
+    rep = sub.add_parser("replay", help="evaluate controllers on traces without model calls")
+    rep.add_argument("--traces", required=True, help="a folder written by draftctl collect")
+    rep.add_argument("--controllers", required=True, help="comma-separated specs, e.g. "
+                                                           "static:4,svip,oracle")
+    rep.add_argument("--json", action="store_true")
+    rep.set_defaults(func=_replay)
     return parser
 
 

@@ -18,7 +18,14 @@ from draftctl.decode import (
     generate,
 )
 from draftctl.errors import DraftctlError
-from draftctl.models import DEFAULT_TARGET, LoadedModel, encode_prompt, load_model, perturbed_copy
+from draftctl.models import (
+    DEFAULT_TARGET,
+    LoadedModel,
+    default_draft,
+    encode_prompt,
+    load_model,
+    perturbed_copy,
+)
 from draftctl.prompts import load_prompts
 
 
@@ -54,12 +61,14 @@ def run_decode(job: DecodeJob) -> tuple[GenerationResult, str]:
     controller = make_controller(job.controller)
     if not job.prompt.strip():
         raise JobError("the prompt is empty: pass --prompt TEXT")
-    if controller.max_draft() > 0 and job.draft is None:
+    draft_spec = job.draft or default_draft(job.target)
+    if controller.max_draft() > 0 and draft_spec is None:
         raise JobError(f"controller {job.controller!r} drafts tokens, so it needs a draft "
                        "model: pass --draft SPEC (a model sharing the target's tokenizer), "
                        "or --controller none for plain decoding")
     target = load_model(job.target, job.device, job.dtype)
-    draft = load_model(job.draft, target.device, job.dtype) if job.draft else None
+    draft = load_model(draft_spec, target.device, job.dtype, target=target) if draft_spec \
+        else None
     decoder = SpeculativeDecoder.from_loaded(target, draft, config)
     prompt_ids = encode_prompt(target.tokenizer, job.prompt, chat=job.chat)
     result = generate(decoder, prompt_ids, controller)
@@ -73,9 +82,10 @@ DEMO_CONTROLLERS = ("static:2", "static:4", "heuristic", "confidence", "pmin", "
 class DemoJob:
     """End-to-end run on the built-in target: plain decoding vs every controller.
 
-    Until the distilled draft ships, the draft is a stand-in: a copy of the target with 2%
-    multiplicative weight noise. It shares the vocabulary and agrees partly with the target,
-    but costs as much as the target, so it shows losslessness and acceptance, not speed.
+    The draft is the target's shipped distilled draft. Where there is none, it is a stand-in:
+    a copy of the target with 2% multiplicative weight noise, which shares the vocabulary and
+    agrees partly with the target but costs as much as the target (losslessness and
+    acceptance, not speed).
     """
 
     prompts: str | None = None
@@ -103,8 +113,13 @@ def run_demo(job: DemoJob) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_config(job, out / "config.yaml")
     target = load_model(job.target, job.device)
-    draft = LoadedModel(f"{job.target}+noise{job.noise}", perturbed_copy(target.model, job.noise, 1),
-                        target.tokenizer, target.device, target.dtype)
+    draft_spec = default_draft(job.target)
+    if draft_spec is not None:
+        draft = load_model(draft_spec, target.device, target=target)
+    else:
+        draft = LoadedModel(f"{job.target}+noise{job.noise}",
+                            perturbed_copy(target.model, job.noise, 1), target.tokenizer,
+                            target.device, target.dtype)
     decoder = SpeculativeDecoder.from_loaded(
         target, draft, DecodeConfig(max_new_tokens=job.max_new_tokens, seed=job.seed))
     encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]

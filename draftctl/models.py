@@ -100,6 +100,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def default_draft(target_spec: str) -> str | None:
+    """The shipped draft for a built-in target, if this install has its weights."""
+    name = DEFAULT_DRAFTS.get(target_spec)
+    if name is None or not (BUILTIN_DRAFTS[name] / "model.safetensors").is_file():
+        return None
+    return name
+
+
 def builtin_path(name: str) -> Path:
     """Path of a built-in model's GGUF file, found without importing its package."""
     entry = BUILTIN_MODELS[name]

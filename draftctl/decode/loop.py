@@ -47,6 +47,7 @@ class RoundRecord:
 
     draft_tokens / features / accept_prob / beta: one entry per drafted (verified) token.
     accept_prob: ``min(1, p/q)``; greedy: 1.0 if the token is the target's argmax else 0.0.
+    target_argmax: the target's most likely token at each drafted position.
     beta: ``sum_v min(p, q)`` (expected acceptance); on the processed distributions when
         sampling, on the temperature-1 softmaxes in greedy mode (processed ones are one-hot).
     new_tokens: tokens appended to the output: accepted drafts then the correction or bonus
@@ -60,6 +61,7 @@ class RoundRecord:
     n_accepted: int
     accept_prob: list[float]
     beta: list[float]
+    target_argmax: list[int]
     new_tokens: list[int]
     discarded: int
     draft_forwards: int
@@ -173,7 +175,7 @@ class SpeculativeDecoder:
             draft = self.drafter.propose(seq, budget, controller, state, generator) \
                 if budget > 0 else Draft.empty(self.vocab_size, self.device)
             watch.mark()
-            verdict, beta = self._verify(seq, draft, generator)
+            verdict, beta, target_argmax = self._verify(seq, draft, generator)
             n = verdict.n_accepted
             new = torch.cat([draft.tokens[:n], verdict.next_token.view(1)])
             watch.mark()
@@ -189,7 +191,7 @@ class SpeculativeDecoder:
             yield RoundRecord(
                 index=index, draft_tokens=draft.tokens.tolist(), features=records,
                 n_accepted=n, accept_prob=verdict.accept_prob.tolist(), beta=beta.tolist(),
-                new_tokens=new_host, discarded=draft.discarded, draft_forwards=draft.forwards,
+                target_argmax=target_argmax.tolist(), new_tokens=new_host, discarded=draft.discarded, draft_forwards=draft.forwards,
                 draft_time_s=draft_s, verify_time_s=verify_s,
                 controller_time_s=draft.controller_s, controller_calls=draft.controller_calls)
             seq = torch.cat([seq, new])
@@ -200,9 +202,9 @@ class SpeculativeDecoder:
                 return
 
     def _verify(self, seq: torch.Tensor, draft: Draft,
-                generator: torch.Generator) -> tuple[Verdict, torch.Tensor]:
+                generator: torch.Generator) -> tuple[Verdict, torch.Tensor, torch.Tensor]:
         """One target pass over the last token and the draft, then roll both caches back to
-        the accepted prefix. Returns the verdict and the per-token beta, (k,)."""
+        the accepted prefix. Returns the verdict, per-token beta (k,) and target argmax (k,)."""
         k = draft.tokens.shape[0]
         fed = torch.cat([seq[len(self.target):], draft.tokens])
         target_logits = self.target.forward(fed)[-(k + 1):]  # (k+1, V)
@@ -218,7 +220,7 @@ class SpeculativeDecoder:
         self.target.truncate(len(seq) + verdict.n_accepted)
         if self.drafter is not None:
             self.drafter.rollback(len(seq) + verdict.n_accepted)
-        return verdict, beta
+        return verdict, beta, target_logits[:k].argmax(dim=-1)
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Collect traces: real SD runs recorded one row per drafted token."""

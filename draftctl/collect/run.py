@@ -1,0 +1,233 @@
+"""``draftctl collect``: run real SD over a prompt set and write one row per drafted token."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftctl import __version__
+from draftctl.collect.traces import round_rows, write_shard
+from draftctl.config import save_config
+from draftctl.controllers import make_controller
+from draftctl.decode import DecodeConfig, SamplingConfig, SpeculativeDecoder, generate
+from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.features import (
+    FEATURE_NAMES,
+    SCHEMA_VERSION,
+    SequenceState,
+    distribution_stats,
+    make_record,
+)
+from draftctl.errors import DraftctlError
+from draftctl.models import (
+    DEFAULT_TARGET,
+    default_draft,
+    encode_prompt,
+    load_model,
+    model_file_sha256,
+)
+from draftctl.prompts import load_prompts
+
+MODES = ("probe", "policy", "dense")
+
+
+@dataclass
+class CollectConfig:
+    target: str = DEFAULT_TARGET
+    draft: str | None = None  # default: the target's shipped draft
+    prompts: str | None = None  # JSONL or datasets folder; default: draftctl's prompt set
+    split: str = "train"
+    limit: int | None = None
+    mode: str = "dense"  # probe: always K_probe; policy: `controller`; dense: see traces.py
+    controller: str = "svip"
+    k_probe: int = 16
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    device: str = "cpu"
+    out: str = "runs/traces"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise DraftctlError(f"unknown collect mode {self.mode!r}: use {', '.join(MODES)}")
+        if self.k_probe < 1:
+            raise DraftctlError(f"k_probe must be >= 1, got {self.k_probe}")
+        if self.mode == "dense" and self.temperature != 0:
+            raise DraftctlError("dense mode replays greedy decoding: set temperature 0")
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.k_probe,
+                            sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
+                            seed=self.seed)
+
+
+def rank_slice() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) when run alone."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 <= rank < world:
+        raise DraftctlError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return rank, world
+
+
+@torch.inference_mode()
+def measure_costs(decoder: SpeculativeDecoder, context: list[int], max_n: int,
+                  repeats: int = 5) -> dict:
+    """Median seconds of one draft step and of target passes over n = 1..max_n new tokens,
+    both with a warm cache over ``context``."""
+    ids = torch.tensor(context, device=decoder.device)
+
+    def median_time(lm: CachedLM, n: int, last_only: bool) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            lm.forward(ids[-n:], last_only=last_only)
+            if decoder.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            lm.truncate(len(ids) - n)
+        return statistics.median(times)
+
+    target = decoder.target
+    target.reset()
+    target.forward(ids[:-max_n])
+    verify = [median_time(target, n, False) for n in range(1, max_n + 1)]
+    costs = {"t_verify_s": verify, "t_target_s": verify[0]}
+    if decoder.drafter is not None:
+        draft = decoder.drafter.lm
+        draft.reset()
+        draft.forward(ids[:-1])
+        costs["t_draft_s"] = median_time(draft, 1, True)
+    return costs
+
+
+@torch.inference_mode()
+def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int, run_id: str,
+               prompt_id: int, category: str) -> list[dict]:
+    """The draft's greedy ``k_probe``-token continuation at every position of the target's
+    greedy output (which greedy SD with ``static:4`` gives exactly)."""
+    output = generate(decoder, prompt_ids, make_controller("static:4")).output_ids
+    seq = prompt_ids + output
+    lm = decoder.drafter.lm
+    lm.reset()
+    if len(prompt_ids) > 1:
+        lm.forward(torch.tensor(prompt_ids[:-1], device=decoder.device), last_only=True)
+    rows = []
+    for t in range(len(output)):
+        context_len = len(prompt_ids) + t
+        feed = torch.tensor(seq[context_len - 1:context_len], device=decoder.device)
+        stats, tokens = [], []
+        for _ in range(k_probe):
+            logits = lm.forward(feed, last_only=True)
+            stats.append(distribution_stats(torch.softmax(logits.float(), -1)))
+            feed = logits.argmax(dim=-1)
+            tokens.append(feed)
+        lm.truncate(context_len)
+        tokens = torch.cat(tokens).tolist()
+        stats = torch.cat(stats).tolist()
+        truth = seq[context_len:context_len + k_probe]
+        match = next((j for j, (a, b) in enumerate(zip(tokens, truth)) if a != b),
+                     min(len(truth), k_probe))
+        state = SequenceState(context_len)  # history features are rebuilt at replay
+        cum = 1.0
+        for j in range(k_probe):
+            record = make_record(stats[j], j + 1, cum, state)
+            cum = record.cum_top1
+            rows.append({"run_id": run_id, "prompt_id": prompt_id, "category": category,
+                         "round": t, "position": j + 1, **record.as_row(),
+                         "draft_token": tokens[j],
+                         "target_token": truth[j] if j < len(truth) else -1,
+                         "match_len": match, "output_len": len(output)})
+    return rows
+
+
+def _run_info(cfg: CollectConfig, draft_spec: str, costs: dict, world: int) -> dict:
+    return {
+        "mode": "dense" if cfg.mode == "dense" else "rounds",
+        "policy": {"probe": f"static:{cfg.k_probe}", "policy": cfg.controller,
+                   "dense": "dense"}[cfg.mode],
+        "target": cfg.target, "target_sha256": model_file_sha256(cfg.target),
+        "draft": draft_spec, "draft_sha256": model_file_sha256(draft_spec),
+        "decoding": {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
+                     "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed},
+        "k_probe": cfg.k_probe, "prompts": cfg.prompts or "draftctl built-in prompts",
+        "split": cfg.split, "world_size": world,
+        "feature_schema_version": SCHEMA_VERSION, "feature_names": list(FEATURE_NAMES),
+        "packages": {name: version(name) for name in ("torch", "transformers", "pyarrow")}
+        | {"draftctl": __version__},
+        "cost": costs,
+    }
+
+
+_COMPATIBLE = ("mode", "policy", "target", "draft", "decoding", "k_probe", "prompts", "split",
+               "feature_schema_version")
+
+
+def run_collect(cfg: CollectConfig) -> dict:
+    """Collect traces into ``cfg.out``; resumes, skipping prompts whose shard exists."""
+    rank, world = rank_slice()
+    out = Path(cfg.out)
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    if world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    draft_spec = cfg.draft or default_draft(cfg.target)
+    if draft_spec is None:
+        raise DraftctlError(f"no draft for {cfg.target!r}: pass --draft SPEC")
+    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit)[rank::world]
+    target = load_model(cfg.target, cfg.device)
+    draft = load_model(draft_spec, target.device, target=target)
+    decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config())
+    encoded = {p.question_id: encode_prompt(target.tokenizer, p.text) for p in prompts}
+
+    info_path = out / "run.json"
+    if info_path.is_file():
+        info = json.loads(info_path.read_text())
+        fresh = _run_info(cfg, draft_spec, info["cost"], info["world_size"])
+        changed = [k for k in _COMPATIBLE if info.get(k) != fresh.get(k)]
+        if changed:
+            raise DraftctlError(f"{out} holds traces of another run (differs in "
+                                f"{', '.join(changed)}); use a new --out")
+    else:
+        context = next(iter(encoded.values()), [1] * 64)
+        context = (context * (1 + 64 // len(context)))[: max(64, cfg.k_probe + 2)]
+        info = _run_info(cfg, draft_spec, measure_costs(decoder, context, cfg.k_probe + 1), world)
+        if rank == 0:
+            tmp = info_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(info, indent=2))
+            os.replace(tmp, info_path)
+            save_config(cfg, out / "collect.yaml")
+    run_id = f"{info['policy']}-{info['target_sha256'] or cfg.target}"[:48]
+
+    controller = make_controller(f"static:{cfg.k_probe}" if cfg.mode == "probe"
+                                 else cfg.controller)
+    todo = [p for p in prompts if not (out / "shards" / f"q{p.question_id}.parquet").exists()]
+    bar = tqdm(todo, desc=f"collect rank {rank}/{world}", unit="prompt")
+    tokens = drafted = accepted = 0
+    started = time.perf_counter()
+    for prompt in bar:
+        ids = encoded[prompt.question_id]
+        if cfg.mode == "dense":
+            rows = dense_rows(decoder, ids, cfg.k_probe, run_id, prompt.question_id,
+                              prompt.category)
+            tokens += rows[0]["output_len"] if rows else 0
+        else:
+            rows = []
+            for record in decoder.rounds(ids, controller):
+                rows += round_rows(record, run_id, prompt.question_id, prompt.category)
+                tokens += len(record.new_tokens)
+                drafted += record.drafted
+                accepted += record.n_accepted
+        write_shard(rows, out / "shards" / f"q{prompt.question_id}.parquet", info["mode"])
+        rate = f"{accepted / drafted:.2f}" if drafted else "-"
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - started):.1f}", accept=rate)
+    return {"rank": rank, "world_size": world, "prompts": len(prompts), "collected": len(todo),
+            "out": str(out), "config": asdict(cfg)}

@@ -1,0 +1,94 @@
+"""Trace rows and Parquet shards.
+
+A trace row is one drafted token: who it belongs to (run, prompt, round, position), its
+feature record (``FEATURE_NAMES`` columns, the same vector controllers see), and what the
+target made of it. Shards are plain Parquet files, written atomically (temporary file, then
+rename), so a killed collection leaves only whole shards; one shard holds one prompt.
+
+Two kinds of trace, told apart by ``run.json``'s ``mode``:
+
+- ``rounds`` (probe or on-policy): real SD rounds. Labels: ``accepted`` (the token was
+  accepted), ``reached`` (every earlier token of its round was accepted), ``accept_prob``
+  (``min(1, p/q)``), ``beta`` (``sum min(p, q)``), ``target_top1_match``, and the round's
+  ``round_accepted`` / ``round_drafted`` / ``draft_time_s`` / ``verify_time_s``.
+- ``dense`` (greedy only): for every position ``round`` of the target's greedy output, the
+  draft's ``K_probe``-token greedy continuation; ``match_len`` is how many of its leading
+  tokens the target agrees with. Replay is exact: greedy SD is lossless, so any controller's
+  run is a walk over these rows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from draftctl.decode.features import FEATURE_NAMES
+from draftctl.decode.loop import RoundRecord
+from draftctl.errors import DraftctlError
+
+ID_COLUMNS = {"run_id": pa.string(), "prompt_id": pa.int64(), "category": pa.string(),
+              "round": pa.int32(), "position": pa.int32()}
+FEATURE_COLUMNS = {name: pa.float64() for name in FEATURE_NAMES}
+ROUND_LABELS = {"draft_token": pa.int64(), "accepted": pa.bool_(), "reached": pa.bool_(),
+                "accept_prob": pa.float64(), "beta": pa.float64(),
+                "target_top1_match": pa.bool_(), "round_accepted": pa.int32(),
+                "round_drafted": pa.int32(), "draft_time_s": pa.float64(),
+                "verify_time_s": pa.float64()}
+DENSE_LABELS = {"draft_token": pa.int64(), "target_token": pa.int64(),
+                "match_len": pa.int32(), "output_len": pa.int32()}
+
+SCHEMAS = {
+    "rounds": pa.schema({**ID_COLUMNS, **FEATURE_COLUMNS, **ROUND_LABELS}),
+    "dense": pa.schema({**ID_COLUMNS, **FEATURE_COLUMNS, **DENSE_LABELS}),
+}
+
+
+class TraceError(DraftctlError):
+    """A trace folder or shard that cannot be read."""
+
+
+def round_rows(record: RoundRecord, run_id: str, prompt_id: int, category: str) -> list[dict]:
+    """One row per drafted token of a round."""
+    rows = []
+    for i, (feature, token) in enumerate(zip(record.features, record.draft_tokens)):
+        rows.append({
+            "run_id": run_id, "prompt_id": prompt_id, "category": category,
+            "round": record.index, "position": i + 1, **feature.as_row(),
+            "draft_token": token, "accepted": i < record.n_accepted,
+            "reached": i <= record.n_accepted, "accept_prob": record.accept_prob[i],
+            "beta": record.beta[i], "target_top1_match": token == record.target_argmax[i],
+            "round_accepted": record.n_accepted, "round_drafted": record.drafted,
+            "draft_time_s": record.draft_time_s, "verify_time_s": record.verify_time_s,
+        })
+    return rows
+
+
+def write_shard(rows: list[dict], path: Path, mode: str) -> None:
+    """Write rows atomically: a reader sees the whole shard or none of it."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS[mode])
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def shard_files(folder: str | Path) -> list[Path]:
+    files = sorted(Path(folder).glob("shards/*.parquet"))
+    if not files:
+        raise TraceError(f"no trace shards in {Path(folder) / 'shards'}")
+    return files
+
+
+def read_traces(folder: str | Path) -> pa.Table:
+    """All shards of a trace folder as one table; a corrupt shard is named in the error."""
+    tables = []
+    for path in shard_files(folder):
+        try:
+            tables.append(pq.read_table(path))
+        except (pa.ArrowInvalid, OSError) as err:
+            raise TraceError(f"corrupt trace shard {path}: {err}") from None
+    return pa.concat_tables(tables, promote_options="default")

@@ -1,0 +1,1 @@
+"""Traces -> controllers: replay with a cost model, fitters, threshold choice."""

@@ -1,0 +1,233 @@
+"""Offline evaluation of controllers on traces: no model calls.
+
+Dense greedy traces replay exactly: a controller walks the target's greedy output; at each
+round start ``t`` it reads the recorded continuation's features token by token and picks a
+length ``L``; the round accepts ``min(L, match_len[t])`` and the walk advances by that plus
+one (the correction or bonus token), as real greedy SD would.
+
+Round traces (probe or on-policy, e.g. sampling) replay in expectation: the controller picks
+``L`` from the recorded round's features; expected accepted tokens are
+``sum_{i<=L} prod_{j<=i} a_j`` with ``a_j`` the recorded ``beta`` (sampling) or the realised
+``accepted`` outcome (greedy). History features are the recorded ones there.
+
+Time is modelled from the costs measured at collection (``run.json``): a round that drafts
+``L`` tokens with ``F`` draft forwards takes ``F t_draft + t_verify(L + 1) + calls t_ctrl``;
+plain decoding takes ``t_verify(1)`` per token. ``oracle`` drafts exactly what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from draftctl.collect.traces import TraceError, read_traces
+from draftctl.controllers import Action, Controller, make_controller
+from draftctl.decode.features import FEATURE_NAMES, SequenceState, make_record
+
+
+@dataclass(frozen=True)
+class CostModel:
+    t_draft: float
+    t_verify: tuple[float, ...]  # t_verify[n - 1]: one target pass over n new tokens
+    t_controller: float = 0.0
+
+    @classmethod
+    def from_run(cls, info: dict, t_controller: float = 0.0) -> CostModel:
+        cost = info["cost"]
+        return cls(cost["t_draft_s"], tuple(cost["t_verify_s"]), t_controller)
+
+    def verify(self, n: int) -> float:
+        """t_verify(n), extrapolated linearly past the measured range."""
+        if n <= len(self.t_verify):
+            return self.t_verify[n - 1]
+        slope = (self.t_verify[-1] - self.t_verify[0]) / max(1, len(self.t_verify) - 1)
+        return self.t_verify[-1] + slope * (n - len(self.t_verify))
+
+    def round_time(self, drafted: int, draft_forwards: int, calls: int) -> float:
+        return (draft_forwards * self.t_draft + self.verify(drafted + 1)
+                + calls * self.t_controller)
+
+
+@dataclass
+class ReplayResult:
+    spec: str
+    rounds: int = 0
+    tokens: float = 0.0
+    drafted: int = 0
+    accepted: float = 0.0
+    draft_forwards: int = 0
+    controller_calls: int = 0
+    time_s: float = 0.0
+    ar_time_s: float = 0.0
+    per_category: dict = field(default_factory=dict)
+
+    def add(self, other: ReplayResult) -> None:
+        for name in ("rounds", "tokens", "drafted", "accepted", "draft_forwards",
+                     "controller_calls", "time_s", "ar_time_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def summary(self) -> dict:
+        return {"spec": self.spec, "tau": self.tokens / max(1, self.rounds),
+                "rounds": self.rounds, "tokens": self.tokens, "drafted": self.drafted,
+                "wasted": self.drafted - self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+                "target_forwards": self.rounds, "draft_forwards": self.draft_forwards,
+                "modelled_time_s": self.time_s,
+                "modelled_speedup": self.ar_time_s / self.time_s if self.time_s else None}
+
+
+def _choose_length(controller: Controller | None, stats_rows: np.ndarray, budget: int,
+                   state: SequenceState, oracle_len: int) -> tuple[list, int, int]:
+    """Run the controller over one round's recorded rows: (records kept, forwards, calls)."""
+    if controller is None:  # oracle
+        length = min(budget, oracle_len)
+        return [None] * length, length, 0
+    records, cum, calls = [], 1.0, 0
+    budget = min(budget, controller.max_draft())
+    for j in range(budget):
+        record = make_record(stats_rows[j].tolist(), j + 1, cum, state)
+        if controller.reads_features:
+            calls += 1
+            action = controller.decide(record)
+            if action is Action.DISCARD:
+                return records, len(records) + 1, calls
+            records.append(record)
+            cum = record.cum_top1
+            if action is Action.STOP:
+                break
+        else:
+            records.append(record)
+            cum = record.cum_top1
+    return records, len(records), calls
+
+
+STAT_COLUMNS = ["entropy", *(f"top_prob_{i}" for i in range(1, 11))]
+
+
+def _prompt_groups(table) -> dict[int, dict[str, np.ndarray]]:
+    columns = {name: table.column(name).to_numpy() for name in table.column_names
+               if name not in ("run_id", "category")}
+    categories = table.column("category").to_pylist()
+    order = np.lexsort((columns["position"], columns["round"], columns["prompt_id"]))
+    groups: dict[int, dict] = {}
+    prompt_ids = columns["prompt_id"][order]
+    bounds = np.flatnonzero(np.diff(prompt_ids)) + 1
+    for chunk in np.split(order, bounds):
+        if len(chunk) == 0:
+            continue
+        group = {name: values[chunk] for name, values in columns.items()}
+        group["category"] = categories[chunk[0]]
+        groups[int(group["prompt_id"][0])] = group
+    return groups
+
+
+def _stats(group: dict) -> np.ndarray:
+    """(rows, 11) distribution stats in ``distribution_stats`` order."""
+    return np.stack([group[name] for name in STAT_COLUMNS], axis=1)
+
+
+def replay_dense_prompt(group: dict, controller: Controller | None, cost: CostModel,
+                        k_probe: int, max_new_tokens: int, spec: str) -> ReplayResult:
+    stats = _stats(group).reshape(-1, k_probe, len(STAT_COLUMNS))
+    match = group["match_len"][::k_probe]
+    context = group["seq_pos"][::k_probe].astype(int)
+    total = int(group["output_len"][0])
+    result = ReplayResult(spec)
+    if controller is not None:
+        controller.reset()
+    state = SequenceState(int(context[0]))
+    t = 0
+    while t < total:
+        budget = min(k_probe, max_new_tokens - t - 1)
+        state = SequenceState(int(context[t]), state.prev_accepted, state.prev_drafted,
+                              state.total_accepted, state.total_drafted)
+        records, forwards, calls = _choose_length(controller, stats[t], max(budget, 0), state,
+                                                  int(match[t]))
+        drafted = len(records)
+        accepted = min(drafted, int(match[t]))
+        if controller is not None:
+            controller.observe(records, accepted)
+        produced = min(accepted + 1, total - t)
+        result.rounds += 1
+        result.tokens += produced
+        result.drafted += drafted
+        result.accepted += accepted
+        result.draft_forwards += forwards
+        result.controller_calls += calls
+        result.time_s += cost.round_time(drafted, forwards, calls)
+        state = state.after_round(int(context[t]) + produced, drafted, accepted)
+        t += produced
+    result.ar_time_s = total * cost.verify(1)
+    return result
+
+
+def replay_rounds_prompt(group: dict, controller: Controller | None, cost: CostModel,
+                         greedy: bool, spec: str) -> ReplayResult:
+    result = ReplayResult(spec)
+    if controller is not None:
+        controller.reset()
+    rows = {name: group[name] for name in ("round", "position", "beta", "accepted",
+                                           "round_accepted", *FEATURE_NAMES)}
+    bounds = np.flatnonzero(np.diff(rows["round"])) + 1
+    for idx in np.split(np.arange(len(rows["round"])), bounds):
+        record_rows = np.stack([rows[name][idx] for name in STAT_COLUMNS], axis=1)
+        first = idx[0]
+        state = SequenceState(int(rows["seq_pos"][first]), int(rows["prev_accepted"][first]),
+                              int(rows["prev_drafted"][first]))
+        accept = rows["accepted"][idx].astype(float) if greedy else rows["beta"][idx]
+        realised = int(rows["round_accepted"][first])
+        records, forwards, calls = _choose_length(controller, record_rows, len(idx), state,
+                                                  realised)
+        drafted = len(records)
+        expected = float(np.cumprod(accept[:drafted]).sum()) if drafted else 0.0
+        if controller is None:
+            expected = float(drafted)
+        if controller is not None:
+            controller.observe(records, round(expected))
+        result.rounds += 1
+        result.tokens += expected + 1
+        result.drafted += drafted
+        result.accepted += expected
+        result.draft_forwards += forwards
+        result.controller_calls += calls
+        result.time_s += cost.round_time(drafted, forwards, calls)
+    result.ar_time_s = result.tokens * cost.verify(1)
+    return result
+
+
+def replay(folder: str | Path, specs: Sequence[str], prompt_ids: set[int] | None = None,
+           t_controller: dict[str, float] | None = None) -> list[dict]:
+    """Replay each controller spec (``oracle`` included) over a trace folder."""
+    folder = Path(folder)
+    info_path = folder / "run.json"
+    if not info_path.is_file():
+        raise TraceError(f"{folder} has no run.json: not a trace folder")
+    info = json.loads(info_path.read_text())
+    groups = _prompt_groups(read_traces(folder))
+    if prompt_ids is not None:
+        groups = {k: v for k, v in groups.items() if k in prompt_ids}
+    if not groups:
+        raise TraceError(f"no traces of the selected prompts in {folder}")
+    greedy = info["decoding"]["temperature"] == 0
+    results = []
+    for spec in specs:
+        controller = None if spec == "oracle" else make_controller(spec)
+        cost = CostModel.from_run(info, (t_controller or {}).get(spec, 0.0))
+        total = ReplayResult(spec)
+        by_category: dict[str, ReplayResult] = {}
+        for group in groups.values():
+            if info["mode"] == "dense":
+                part = replay_dense_prompt(group, controller, cost, info["k_probe"],
+                                           info["decoding"]["max_new_tokens"], spec)
+            else:
+                part = replay_rounds_prompt(group, controller, cost, greedy, spec)
+            total.add(part)
+            by_category.setdefault(group["category"], ReplayResult(spec)).add(part)
+        summary = total.summary()
+        summary["per_category"] = {c: r.summary() for c, r in sorted(by_category.items())}
+        results.append(summary)
+    return results

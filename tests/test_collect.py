@@ -1,0 +1,157 @@
+"""Collect traces on a tiny model pair, replay them, and survive crashes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+
+from draftctl.collect import run as collect_run
+from draftctl.collect.run import CollectConfig, run_collect
+from draftctl.collect.traces import TraceError, read_traces
+from draftctl.controllers import make_controller
+from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.errors import DraftctlError
+from draftctl.models import encode_prompt, load_model, perturbed_copy
+from draftctl.prompts import load_prompts
+from draftctl.train.replay import replay
+from tests.test_models import save_model, word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = save_model(root / "target")
+    draft_model = perturbed_copy(load_model(target, "cpu").model, 0.3, seed=1)
+    draft_model.save_pretrained(root / "draft")
+    word_tokenizer().save_pretrained(root / "draft")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(
+        json.dumps({"question_id": i, "category": ["qa", "rag"][i % 2],
+                    "turns": [" ".join(f"w{(i * 11 + j) % 90}" for j in range(2 + i % 5))]})
+        for i in range(10)))
+    return target, str(root / "draft"), str(prompts)
+
+
+def config(pair, out, **kw) -> CollectConfig:
+    target, draft, prompts = pair
+    base = dict(target=target, draft=draft, prompts=prompts, split="all", max_new_tokens=20,
+                k_probe=6, device="cpu", out=str(out))
+    return CollectConfig(**{**base, **kw})
+
+
+def real_rounds(pair, spec: str, max_new_tokens=20, max_draft=6) -> tuple[int, int]:
+    target_spec, draft_spec, prompts = pair
+    target = load_model(target_spec, "cpu")
+    draft = load_model(draft_spec, "cpu")
+    decoder = SpeculativeDecoder.from_loaded(
+        target, draft, DecodeConfig(max_new_tokens=max_new_tokens, max_draft=max_draft))
+    rounds = drafted = 0
+    for p in load_prompts(prompts):
+        result = generate(decoder, encode_prompt(target.tokenizer, p.text), make_controller(spec))
+        rounds += len(result.rounds)
+        drafted += sum(r.drafted for r in result.rounds)
+    return rounds, drafted
+
+
+def test_dense_replay_equals_real_runs_exactly(pair, tmp_path):
+    run_collect(config(pair, tmp_path / "dense", mode="dense"))
+    specs = ["static:1", "static:3", "static:6", "heuristic", "svip:0.6", "pmin:0.3"]
+    results = {r["spec"]: r for r in replay(tmp_path / "dense", specs + ["oracle"])}
+    for spec in specs:
+        rounds, drafted = real_rounds(pair, spec)
+        assert results[spec]["target_forwards"] == rounds, spec
+        assert results[spec]["drafted"] == drafted, spec
+    oracle = results["oracle"]
+    assert oracle["wasted"] == 0
+    assert all(oracle["tau"] >= results[s]["tau"] for s in specs)
+    info = json.loads((tmp_path / "dense" / "run.json").read_text())
+    assert len(info["cost"]["t_verify_s"]) == 7 and info["cost"]["t_draft_s"] > 0
+    assert info["feature_schema_version"] == 1
+
+
+def test_probe_rows_are_readable_with_datasets_and_consistent(pair, tmp_path):
+    run_collect(config(pair, tmp_path / "probe", mode="probe", limit=4))
+    files = sorted(str(p) for p in (tmp_path / "probe" / "shards").glob("*.parquet"))
+    rows = datasets.load_dataset("parquet", data_files=files, split="train")
+    assert len(rows) > 0 and set(rows["position"]) <= set(range(1, 7))
+    table = read_traces(tmp_path / "probe").to_pylist()
+    for row in table:
+        assert row["round_drafted"] == 6 or row["position"] <= row["round_drafted"]
+        assert row["accepted"] == (row["position"] <= row["round_accepted"])
+        assert row["reached"] == (row["position"] <= row["round_accepted"] + 1)
+        assert row["target_top1_match"] == (row["accept_prob"] == 1.0)  # greedy
+    assert {r["category"] for r in table} == {"qa", "rag"}
+    results = replay(tmp_path / "probe", ["static:2", "oracle"])
+    assert results[1]["tau"] >= results[0]["tau"]
+
+
+def _keys(folder):
+    table = read_traces(folder)
+    return sorted(zip(*(table.column(c).to_pylist() for c in ("prompt_id", "round", "position"))))
+
+
+def test_a_crashed_collection_resumes_without_lost_or_duplicated_rows(pair, tmp_path,
+                                                                       monkeypatch):
+    run_collect(config(pair, tmp_path / "straight", mode="probe"))
+    real_write = collect_run.write_shard
+    calls = {"n": 0}
+
+    def crashing_write(rows, path, mode):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            path.with_name(f".{path.name}.tmp").write_bytes(b"half a shard")  # torn write
+            raise KeyboardInterrupt
+        real_write(rows, path, mode)
+
+    monkeypatch.setattr(collect_run, "write_shard", crashing_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_collect(config(pair, tmp_path / "crashed", mode="probe"))
+    monkeypatch.setattr(collect_run, "write_shard", real_write)
+    assert len(list((tmp_path / "crashed" / "shards").glob("*.parquet"))) == 3
+    summary = run_collect(config(pair, tmp_path / "crashed", mode="probe"))
+    assert summary["collected"] == 7
+    keys = _keys(tmp_path / "crashed")
+    assert keys == _keys(tmp_path / "straight") and len(keys) == len(set(keys))
+
+
+def test_rerun_with_other_settings_is_refused(pair, tmp_path):
+    run_collect(config(pair, tmp_path / "t", mode="probe", limit=2))
+    with pytest.raises(DraftctlError, match=r"differs in .*k_probe"):
+        run_collect(config(pair, tmp_path / "t", mode="probe", limit=2, k_probe=4))
+
+
+def test_corrupt_shard_is_refused_with_its_name(pair, tmp_path):
+    run_collect(config(pair, tmp_path / "t", mode="probe", limit=2))
+    shard = sorted((tmp_path / "t" / "shards").glob("*.parquet"))[0]
+    shard.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(TraceError, match=f"corrupt trace shard {shard}"):
+        read_traces(tmp_path / "t")
+
+
+def test_bad_collect_settings():
+    with pytest.raises(DraftctlError, match="unknown collect mode"):
+        CollectConfig(mode="wide")
+    with pytest.raises(DraftctlError, match="dense mode replays greedy decoding"):
+        CollectConfig(mode="dense", temperature=0.7)
+
+
+def test_two_ranks_take_disjoint_prompts_whose_union_is_the_set(pair, tmp_path):
+    target, draft, prompts = pair
+    out = tmp_path / "ranks"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", "29517", "-m", "draftctl", "collect", "--target", target,
+           "--draft", draft, "--prompts", prompts, "--split", "all", "--mode", "probe",
+           "--k-probe", "4", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    by_rank = {}
+    for shard in (out / "shards").glob("*.parquet"):
+        prompt_id = pq.read_table(shard).column("prompt_id")[0].as_py()
+        by_rank.setdefault(prompt_id % 2, set()).add(prompt_id)
+    assert "rank 0/2" in done.stdout and "rank 1/2" in done.stdout
+    assert set().union(*by_rank.values()) == set(range(10))
