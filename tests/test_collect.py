@@ -38,8 +38,8 @@ def pair(tmp_path_factory):
 
 def config(pair, out, **kw) -> CollectConfig:
     target, draft, prompts = pair
-    base = dict(target=target, draft=draft, prompts=prompts, split="all", max_new_tokens=20,
-                k_probe=6, device="cpu", out=str(out))
+    base = {"target": target, "draft": draft, "prompts": prompts, "split": "all",
+            "max_new_tokens": 20, "k_probe": 6, "device": "cpu", "out": str(out)}
     return CollectConfig(**{**base, **kw})
 
 
@@ -126,7 +126,7 @@ def test_rerun_with_other_settings_is_refused(pair, tmp_path):
 
 def test_corrupt_shard_is_refused_with_its_name(pair, tmp_path):
     run_collect(config(pair, tmp_path / "t", mode="probe", limit=2))
-    shard = sorted((tmp_path / "t" / "shards").glob("*.parquet"))[0]
+    shard = min((tmp_path / "t" / "shards").glob("*.parquet"))
     shard.write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(TraceError, match=f"corrupt trace shard {shard}"):
         read_traces(tmp_path / "t")
@@ -147,7 +147,8 @@ def test_two_ranks_take_disjoint_prompts_whose_union_is_the_set(pair, tmp_path):
            "--master-port", "29517", "-m", "draftctl", "collect", "--target", target,
            "--draft", draft, "--prompts", prompts, "--split", "all", "--mode", "probe",
            "--k-probe", "4", "--max-new-tokens", "8", "--device", "cpu", "--out", str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     by_rank = {}
     for shard in (out / "shards").glob("*.parquet"):
