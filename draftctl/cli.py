@@ -92,6 +92,29 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from draftctl.train.run import TrainConfig, run_train
+
+    cfg = load_config(TrainConfig, args.config, {"traces": args.traces, "kind": args.kind,
+                                                  "out": args.out, "seed": args.seed})
+    report = run_train(cfg)
+    s = report["summary"]
+    print(f"{cfg.kind}: threshold {report['threshold']:.4f} (chosen on dev); test replay: "
+          f"{s['learned_vs_best_static']:.3f}x best static ({s['best_static']}), "
+          f"{s['learned_vs_svip_tuned']:.3f}x SVIP ({s['svip_tuned_on_dev']}); "
+          f"report: {cfg.out}/report.md")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from draftctl.export.onnx import export_onnx
+
+    result = export_onnx(args.model, args.out)
+    print(f"wrote {result['out']}: parity on {result['rows']} rows, max |p_onnx - p_native| = "
+          f"{result['max_abs_diff']:.2e}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftctl", description="Draft-length control for speculative decoding.")
@@ -165,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "static:4,svip,oracle")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_replay)
+
+    tr = sub.add_parser("train", help="fit an acceptance model and choose its stop threshold")
+    tr.add_argument("--config")
+    tr.add_argument("--traces", help="trace folder (collected with --split all)")
+    tr.add_argument("--kind", choices=("logreg", "hgb", "mlp", "threshold"))
+    tr.add_argument("--out")
+    tr.add_argument("--seed", type=int)
+    tr.set_defaults(func=_train)
+
+    ex = sub.add_parser("export", help="write a trained controller as ONNX")
+    ex.add_argument("--model", required=True, help="folder written by draftctl train")
+    ex.add_argument("--out", required=True, help="path of the .onnx file")
+    ex.set_defaults(func=_export)
     return parser
 
 

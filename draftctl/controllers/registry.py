@@ -71,9 +71,18 @@ REGISTRY: dict[str, Entry] = {
 def make_controller(spec: str) -> Controller:
     """Build the controller a spec string names; ``ControllerSpecError`` if it cannot."""
     name, _, arg_text = spec.strip().partition(":")
+    if name == "onnx":
+        from draftctl.controllers.learned import onnx_controller
+
+        if not arg_text:
+            raise ControllerSpecError("controller spec 'onnx:' needs a path: onnx:PATH")
+        controller = onnx_controller(arg_text)
+        controller.spec = spec
+        return controller
     if name not in REGISTRY:
         raise ControllerSpecError(
-            f"unknown controller {name!r} in spec {spec!r}; known: {', '.join(REGISTRY)}")
+            f"unknown controller {name!r} in spec {spec!r}; known: {', '.join(REGISTRY)}, "
+        "onnx:PATH")
     entry = REGISTRY[name]
     kwargs = _parse_args(spec, entry, arg_text) if arg_text else {}
     controller = entry.factory(**kwargs)
@@ -120,4 +129,5 @@ def describe() -> str:
     for name, entry in REGISTRY.items():
         params = ",".join(p.name for p in entry.params)
         lines.append(f"  {name + (':' + params if params else ''):<36} {entry.help}")
+    lines.append(f"  {'onnx:PATH':<36} a learned controller exported by draftctl export")
     return "\n".join(lines)

@@ -199,23 +199,37 @@ def replay_rounds_prompt(group: dict, controller: Controller | None, cost: CostM
     return result
 
 
-def replay(folder: str | Path, specs: Sequence[str], prompt_ids: set[int] | None = None,
+class TraceSet:
+    """A trace folder read once, for replaying many controllers."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        info_path = folder / "run.json"
+        if not info_path.is_file():
+            raise TraceError(f"{folder} has no run.json: not a trace folder")
+        self.folder = folder
+        self.info = json.loads(info_path.read_text())
+        self.groups = _prompt_groups(read_traces(folder))
+
+
+def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller],
+           prompt_ids: set[int] | None = None,
            t_controller: dict[str, float] | None = None) -> list[dict]:
-    """Replay each controller spec (``oracle`` included) over a trace folder."""
-    folder = Path(folder)
-    info_path = folder / "run.json"
-    if not info_path.is_file():
-        raise TraceError(f"{folder} has no run.json: not a trace folder")
-    info = json.loads(info_path.read_text())
-    groups = _prompt_groups(read_traces(folder))
+    """Replay each controller (a spec, ``oracle``, or a built controller) over traces."""
+    traces = traces if isinstance(traces, TraceSet) else TraceSet(traces)
+    info, groups = traces.info, traces.groups
     if prompt_ids is not None:
         groups = {k: v for k, v in groups.items() if k in prompt_ids}
     if not groups:
-        raise TraceError(f"no traces of the selected prompts in {folder}")
+        raise TraceError(f"no traces of the selected prompts in {traces.folder}")
     greedy = info["decoding"]["temperature"] == 0
     results = []
-    for spec in specs:
-        controller = None if spec == "oracle" else make_controller(spec)
+    for item in controllers:
+        if isinstance(item, Controller):
+            controller, spec = item, item.spec
+        else:
+            controller, spec = (None, "oracle") if item == "oracle" else (make_controller(item),
+                                                                          item)
         cost = CostModel.from_run(info, (t_controller or {}).get(spec, 0.0))
         total = ReplayResult(spec)
         by_category: dict[str, ReplayResult] = {}

@@ -1,0 +1,107 @@
+"""Controllers driven by a scoring model: stop after a token whose score is below a threshold.
+
+The score is the model's predicted probability that the token is accepted given that it was
+reached (DISCO-style); the threshold is chosen by modelled speedup, not accuracy.
+``onnx:PATH`` loads an exported model with onnxruntime (one thread, warm-up call) and checks
+its feature schema against the decoder's before any decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from draftctl.controllers.base import Action, Controller
+from draftctl.decode.features import FEATURE_NAMES, SCHEMA_VERSION
+from draftctl.errors import DraftctlError
+
+if TYPE_CHECKING:  # the decoder imports controllers; annotations only
+    from draftctl.decode.features import FeatureRecord
+
+
+class SchemaMismatchError(DraftctlError):
+    """A model's feature schema that the decoder's feature record cannot feed."""
+
+
+class ScoreThreshold(Controller):
+    """Stop after the token whose score is below ``threshold`` (that token is verified).
+
+    score: maps a (1, n_features) float32 array to the acceptance probability.
+    features: names of the model's inputs, in its input order (a subset of FEATURE_NAMES).
+    """
+
+    def __init__(self, score: Callable[[np.ndarray], float], features: Sequence[str],
+                 threshold: float, n_max: int = 40):
+        check_features(features)
+        self.score = score
+        self.features = tuple(features)
+        self.index = [FEATURE_NAMES.index(f) for f in features]
+        self.threshold = threshold
+        self.n_max = n_max
+
+    def max_draft(self) -> int:
+        return self.n_max
+
+    def decide(self, record: FeatureRecord) -> Action:
+        vector = record.to_vector()
+        x = np.array([[vector[i] for i in self.index]], dtype=np.float32)
+        return Action.STOP if self.score(x) < self.threshold else Action.CONTINUE
+
+
+def check_features(features: Sequence[str], schema_version: int = SCHEMA_VERSION) -> None:
+    """Refuse a model whose inputs the current feature record cannot provide."""
+    if schema_version != SCHEMA_VERSION:
+        raise SchemaMismatchError(f"model was trained on feature schema v{schema_version}; "
+                                  f"this draftctl records v{SCHEMA_VERSION}")
+    missing = [f for f in features if f not in FEATURE_NAMES]
+    if missing:
+        raise SchemaMismatchError(f"model needs feature(s) {', '.join(missing)} that the "
+                                  f"feature record (v{SCHEMA_VERSION}) does not have; it has "
+                                  f"{', '.join(FEATURE_NAMES)}")
+
+
+def onnx_controller(path: str, threshold: float | None = None) -> ScoreThreshold:
+    """``onnx:PATH``: a ScoreThreshold whose score runs in onnxruntime."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import (
+        Fail,
+        InvalidArgument,
+        InvalidGraph,
+        InvalidProtobuf,
+    )
+
+    if not Path(path).is_file():
+        raise DraftctlError(f"ONNX controller file not found: {path}")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    try:
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    except (Fail, InvalidArgument, InvalidGraph, InvalidProtobuf) as err:
+        raise DraftctlError(f"cannot load ONNX controller {path}: {err}") from None
+    meta = session.get_modelmeta().custom_metadata_map
+    for key in ("draftctl_features", "draftctl_schema_version", "draftctl_threshold",
+                "draftctl_output"):
+        if key not in meta:
+            raise SchemaMismatchError(f"{path} has no {key} metadata: not a draftctl controller")
+    features = json.loads(meta["draftctl_features"])
+    check_features(features, int(meta["draftctl_schema_version"]))
+    n_inputs = session.get_inputs()[0].shape[-1]
+    if isinstance(n_inputs, int) and n_inputs != len(features):
+        raise SchemaMismatchError(f"{path} takes {n_inputs} inputs but names "
+                                  f"{len(features)} features")
+    input_name = session.get_inputs()[0].name
+    output_name = meta["draftctl_output"]
+    column = int(meta.get("draftctl_output_column", "-1"))
+
+    def score(x: np.ndarray) -> float:
+        out = session.run([output_name], {input_name: x})[0]
+        return float(out[0, column] if out.ndim == 2 else out[0])
+
+    score(np.zeros((1, len(features)), dtype=np.float32))  # warm-up
+    chosen = float(meta["draftctl_threshold"]) if threshold is None else threshold
+    return ScoreThreshold(score, features, chosen)

@@ -1,0 +1,1 @@
+"""Export trained controllers (ONNX)."""

@@ -1,0 +1,178 @@
+"""``draftctl train``: fit an acceptance model on train prompts, choose its stop threshold on
+dev prompts by modelled speedup (replay with the measured costs), report on test prompts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import joblib
+import numpy as np
+import torch
+
+from draftctl.collect.traces import shard_files
+from draftctl.config import save_config
+from draftctl.controllers.learned import ScoreThreshold
+from draftctl.decode.features import SCHEMA_VERSION
+from draftctl.errors import DraftctlError
+from draftctl.train.data import load_examples
+from draftctl.train.fit import KINDS, TorchModel, fit
+from draftctl.train.replay import TraceSet, replay
+
+
+@dataclass
+class TrainConfig:
+    traces: str = "runs/traces"
+    kind: str = "logreg"
+    out: str = "runs/controller"
+    seed: int = 0
+    grid: int = 24  # candidate thresholds (quantiles of the dev predictions)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise DraftctlError(f"unknown model kind {self.kind!r}: use {', '.join(KINDS)}")
+
+
+def learned_controller(model, features, threshold: float, spec: str) -> ScoreThreshold:
+    controller = ScoreThreshold(lambda x: float(model.predict(x)[0]), features, threshold)
+    controller.spec = spec
+    return controller
+
+
+def best_by_speedup(traces: TraceSet, candidates: dict, prompt_ids: set[int]) -> tuple:
+    """(key, result) of the candidate controller with the highest modelled speedup."""
+    results = replay(traces, list(candidates.values()), prompt_ids)
+    best = max(range(len(results)), key=lambda i: results[i]["modelled_speedup"])
+    return list(candidates)[best], results[best]
+
+
+def classification_metrics(p: np.ndarray, y: np.ndarray, bins: int = 10) -> dict:
+    from sklearn.metrics import brier_score_loss, roc_auc_score
+
+    hard = y >= 0.5
+    edges = np.linspace(0, 1, bins + 1)
+    which = np.clip(np.digitize(p, edges) - 1, 0, bins - 1)
+    calibration = [{"bin": f"{edges[b]:.1f}-{edges[b + 1]:.1f}", "n": int((which == b).sum()),
+                    "mean_predicted": float(p[which == b].mean()),
+                    "observed": float(y[which == b].mean())}
+                   for b in range(bins) if (which == b).any()]
+    return {"auc": float(roc_auc_score(hard, p)) if 0 < hard.sum() < len(hard) else None,
+            "brier": float(brier_score_loss(hard, p) if np.all((y == 0) | (y == 1))
+                           else np.mean((p - y) ** 2)),
+            "rows": len(y), "positive_rate": float(y.mean()), "calibration": calibration}
+
+
+def run_train(cfg: TrainConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "train.yaml")
+    examples = load_examples(cfg.traces)
+    parts = {s: examples.subset(s) for s in ("train", "dev", "test")}
+    empty = [s for s, part in parts.items() if len(part.y) == 0]
+    if empty:
+        raise DraftctlError(f"traces in {cfg.traces} hold no {', '.join(empty)} prompts: "
+                            "collect with --split all")
+    train, dev, test = parts["train"], parts["dev"], parts["test"]
+    model = fit(cfg.kind, train.X, train.y, train.prompt_ids, examples.features, cfg.seed)
+    features = examples.features
+
+    traces = TraceSet(cfg.traces)
+    dev_ids = {int(i) for i in np.unique(dev.prompt_ids)}
+    test_ids = {int(i) for i in np.unique(test.prompt_ids)}
+    p_dev = model.predict(dev.X)
+    grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
+    name = f"learned-{cfg.kind}"
+    threshold, dev_best = best_by_speedup(
+        traces, {float(t): learned_controller(model, features, float(t), name) for t in grid},
+        dev_ids)
+    svip_spec, _ = best_by_speedup(
+        traces, {f"svip:{t:.2f}": f"svip:{t:.2f}" for t in np.arange(0.1, 1.01, 0.05)}, dev_ids)
+    conf_spec, _ = best_by_speedup(
+        traces, {f"confidence:{t:.2f}": f"confidence:{t:.2f}"
+                 for t in np.arange(0.05, 0.96, 0.05)}, dev_ids)
+
+    k_probe = traces.info["k_probe"]
+    baselines = [*(f"static:{k}" for k in range(1, k_probe + 1)), "heuristic", "confidence",
+                 conf_spec, svip_spec, "oracle"]
+    learned = learned_controller(model, features, threshold, name)
+    test_results = replay(traces, [learned, *baselines], test_ids)
+    statics = [r for r in test_results if r["spec"].startswith("static:")]
+    best_static = max(statics, key=lambda r: r["modelled_speedup"])
+    by_spec = {r["spec"]: r for r in test_results}
+    ours, svip, oracle = by_spec[name], by_spec[svip_spec], by_spec["oracle"]
+    gap = oracle["modelled_speedup"] - best_static["modelled_speedup"]
+    summary = {
+        "learned_vs_best_static": ours["modelled_speedup"] / best_static["modelled_speedup"],
+        "learned_vs_svip_tuned": ours["modelled_speedup"] / svip["modelled_speedup"],
+        "gap_closed": (ours["modelled_speedup"] - best_static["modelled_speedup"]) / gap
+        if gap > 0 else None,
+        "best_static": best_static["spec"], "svip_tuned_on_dev": svip_spec,
+        "confidence_tuned_on_dev": conf_spec,
+    }
+    cost = traces.info["cost"]
+    data_hash = hashlib.sha256()
+    for path in shard_files(cfg.traces):
+        data_hash.update(path.read_bytes())
+    manifest = {
+        "kind": cfg.kind, "features": list(features), "schema_version": SCHEMA_VERSION,
+        "threshold": threshold, "rule": "stop after a token whose predicted acceptance < threshold",
+        "cost_ratio": cost["t_draft_s"] / cost["t_target_s"], "traces": str(cfg.traces),
+        "data_sha256": data_hash.hexdigest(), "target": traces.info["target"],
+        "draft": traces.info["draft"], "seed": cfg.seed,
+        "metrics": {"train": classification_metrics(model.predict(train.X), train.y),
+                    "test": classification_metrics(model.predict(test.X), test.y)},
+        "dev_replay": dev_best,
+    }
+    _save_model(model, cfg.kind, features, out)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    report = {"config": asdict(cfg), "summary": summary, "metrics": manifest["metrics"],
+              "threshold": threshold, "test_replay": test_results}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(_markdown(report))
+    return report
+
+
+def _save_model(model, kind: str, features, out: Path) -> None:
+    if isinstance(model, TorchModel):
+        torch.save({"state_dict": model.module.state_dict(), "n_features": len(features)},
+                   out / "model.pt")
+    else:
+        joblib.dump(model, out / "model.joblib")
+
+
+def load_model_dir(folder: str | Path):
+    """(model, manifest) of a folder written by ``run_train``."""
+    from draftctl.train.fit import AcceptanceMLP
+
+    folder = Path(folder)
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise DraftctlError(f"{folder} has no manifest.json: not a trained controller folder")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest["kind"] == "mlp":
+        state = torch.load(folder / "model.pt")
+        module = AcceptanceMLP(state["n_features"])
+        module.load_state_dict(state["state_dict"])
+        return TorchModel(module.eval()), manifest
+    return joblib.load(folder / "model.joblib"), manifest
+
+
+def _markdown(report: dict) -> str:
+    s = report["summary"]
+    lines = [f"# Controller report: {report['config']['kind']}", "",
+             f"Threshold (chosen on dev by modelled speedup): {report['threshold']:.4f}", "",
+             (f"- test AUC {report['metrics']['test']['auc']}, Brier "
+             f"{report['metrics']['test']['brier']:.4f}"),
+             f"- learned / best static ({s['best_static']}): {s['learned_vs_best_static']:.3f}",
+             (f"- learned / SVIP tuned on dev ({s['svip_tuned_on_dev']}): "
+             f"{s['learned_vs_svip_tuned']:.3f}"),
+             f"- share of the best-static-to-oracle gap closed: {s['gap_closed']}", "",
+             "| controller | tau | drafted | wasted | target fw | draft fw | modelled speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["test_replay"]:
+        lines.append(f"| {r['spec']} | {r['tau']:.2f} | {r['drafted']} | {r['wasted']:.0f} | "
+                     f"{r['target_forwards']} | {r['draft_forwards']} | "
+                     f"{r['modelled_speedup']:.3f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,81 @@
+"""Collect -> train each kind -> export to ONNX -> decode with onnx:, on a tiny pair."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from draftctl.collect.run import run_collect
+from draftctl.controllers import make_controller
+from draftctl.controllers.learned import SchemaMismatchError
+from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.export.onnx import export_onnx
+from draftctl.models import load_model
+from draftctl.train.data import load_examples
+from draftctl.train.run import TrainConfig, run_train
+from tests.test_collect import config, pair  # noqa: F401  (pair is a fixture)
+
+
+@pytest.fixture(scope="module")
+def traces(pair, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("traces") / "dense"
+    run_collect(config(pair, out, mode="dense", max_new_tokens=24))
+    return out
+
+
+def test_examples_follow_the_disco_labels(traces):
+    examples = load_examples(traces)
+    assert "prev_accepted" not in examples.features  # placeholders in dense traces
+    assert set(np.unique(examples.y)) <= {0.0, 1.0}
+    assert set(examples.splits) == {"train", "dev", "test"}
+    position = examples.X[:, examples.features.index("draft_pos")]
+    assert (position >= 1).all() and examples.y[position == 1].size > 0
+
+
+@pytest.mark.parametrize("kind", ["logreg", "hgb", "mlp", "threshold"])
+def test_train_export_and_decode_with_onnx(pair, traces, tmp_path, kind):  # noqa: F811
+    report = run_train(TrainConfig(traces=str(traces), kind=kind, out=str(tmp_path / kind),
+                                   grid=8))
+    assert (tmp_path / kind / "report.md").is_file()
+    manifest = json.loads((tmp_path / kind / "manifest.json").read_text())
+    assert manifest["schema_version"] == 1 and manifest["features"]
+    specs = [r["spec"] for r in report["test_replay"]]
+    assert {"static:1", "static:6", "heuristic", "oracle"} <= set(specs)
+    assert report["metrics"]["test"]["auc"] is None or 0 <= report["metrics"]["test"]["auc"] <= 1
+
+    path = tmp_path / f"{kind}.onnx"
+    parity = export_onnx(tmp_path / kind, path)
+    assert parity["rows"] == 1000 and parity["max_abs_diff"] < 1e-5
+    meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert json.loads(meta["draftctl_features"]) == manifest["features"]
+
+    target_spec, draft_spec, _ = pair
+    target = load_model(target_spec, "cpu")
+    draft = load_model(draft_spec, "cpu")
+    decoder = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=24))
+    controller = make_controller(f"onnx:{path}")
+    assert controller.threshold == pytest.approx(manifest["threshold"])
+    for ids in ([5, 6, 7], [30, 2, 44, 9]):
+        reference = generate(decoder, ids, make_controller("none")).output_ids
+        assert generate(decoder, ids, controller).output_ids == reference
+
+
+def test_onnx_model_with_unknown_features_is_refused(pair, traces, tmp_path):  # noqa: F811
+    run_train(TrainConfig(traces=str(traces), kind="threshold", out=str(tmp_path / "m"), grid=4))
+    path = tmp_path / "m.onnx"
+    export_onnx(tmp_path / "m", path)
+    model = onnx.load(str(path))
+    props = {p.key: p.value for p in model.metadata_props}
+    props["draftctl_features"] = json.dumps(["entropy", "target_logit_gap"])
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+    with pytest.raises(SchemaMismatchError, match="needs feature\\(s\\) target_logit_gap"):
+        make_controller(f"onnx:{path}")
+    props["draftctl_schema_version"] = "7"
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+    with pytest.raises(SchemaMismatchError, match="schema v7"):
+        make_controller(f"onnx:{path}")
