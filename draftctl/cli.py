@@ -57,8 +57,9 @@ def _distill(args: argparse.Namespace) -> int:
     overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
                  "steps": args.steps, "time_budget_min": args.time_budget_min}
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
-    print(f"draft written to {args.out or manifest['config']['out']}: eval agreement "
-          f"{manifest['agreement_eval_float32']:.3f} after {manifest['training']['steps']} steps")
+    print(f"draft written to {manifest['config']['out']}: eval agreement "
+          f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
+          f"{manifest['training']['steps']} steps")
     return 0
 
 

@@ -37,6 +37,7 @@ def test_distill_writes_a_loadable_lossless_draft(setup):
     assert manifest["training"]["steps"] == 6
     assert manifest["teacher"]["sha256"] and manifest["data"]["responses"] == 24  # 12 x 2
     assert 0.0 <= manifest["agreement_eval_float32"] <= 1.0
+    assert abs(manifest["agreement_eval_int8"] - manifest["agreement_eval_float32"]) < 0.1
     target = load_model(teacher_spec, "cpu")
     draft = load_model(config.out, "cpu", target=target)
     assert isinstance(draft.model, DraftLM) and draft.model.head_ids.numel() == 40
@@ -47,7 +48,7 @@ def test_distill_writes_a_loadable_lossless_draft(setup):
         assert generate(decoder, ids, make_controller(spec)).output_ids == reference
     # Loaded on its own, it finds its target's embedding and tokenizer from its config.
     alone = load_model(config.out, "cpu")
-    assert torch.equal(alone.model.head_weight, draft.model.head_weight)
+    assert torch.equal(alone.model.head.weight, draft.model.head.weight)
 
 
 def test_distill_resumes_after_an_interruption(setup, monkeypatch):
@@ -71,6 +72,24 @@ def test_distill_resumes_after_an_interruption(setup, monkeypatch):
     assert calls["n"] == 2 * 2  # only steps 5 and 6 ran again
     assert manifest["training"]["steps"] == 6
     assert [h["step"] for h in manifest["training"]["history"]] == [0, 3, 6]
+
+
+def test_a_finished_run_reruns_to_the_same_draft_without_training(setup, monkeypatch):
+    _, config = setup
+    config.steps = 5  # the last periodic checkpoint is step 4; the final one is step 5
+    run_distill(config)
+    weights = (Path(config.out) / "model.safetensors").read_bytes()
+    calls = {"n": 0}
+    real_loss = distill_run.distill_loss
+
+    def counting_loss(*args):
+        calls["n"] += 1
+        return real_loss(*args)
+
+    monkeypatch.setattr(distill_run, "distill_loss", counting_loss)
+    run_distill(config)
+    assert calls["n"] == 0
+    assert (Path(config.out) / "model.safetensors").read_bytes() == weights
 
 
 def test_corrupt_draft_weights_are_refused(setup):

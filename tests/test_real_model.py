@@ -8,7 +8,8 @@ import torch
 from draftctl.cli import main
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
-from draftctl.models import LoadedModel, encode_prompt, perturbed_copy
+from draftctl.distill.model import DraftLM
+from draftctl.models import BUILTIN_DRAFTS, LoadedModel, encode_prompt, load_model, perturbed_copy
 from draftctl.prompts import load_prompts
 
 SPECS = ["static:4", "heuristic", "confidence-roc", "pmin", "svip", "adaedl"]
@@ -61,3 +62,29 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys):
     assert specs == ["none", "static:4", "heuristic", "svip"]
     assert all(row["mismatches"] == 0 for row in report["controllers"])
     assert "static:4" in capsys.readouterr().out
+
+
+def test_shipped_draft_is_lossless_with_the_builtin_target(smollm2):
+    draft = load_model("smollm2-135m-draft", "cpu", target=smollm2)
+    assert isinstance(draft.model, DraftLM)
+    assert (BUILTIN_DRAFTS["smollm2-135m-draft"] / "model.safetensors").stat().st_size <= 16e6
+    decoder = SpeculativeDecoder.from_loaded(smollm2, draft, DecodeConfig(max_new_tokens=32))
+    accepted = drafted = 0
+    for prompt in load_prompts(split="test", limit=5):
+        ids = encode_prompt(smollm2.tokenizer, prompt.text)
+        reference = generate(decoder, ids, make_controller("none")).output_ids
+        for spec in ("static:4", "svip"):
+            result = generate(decoder, ids, make_controller(spec))
+            assert result.output_ids == reference, (prompt.question_id, spec)
+            accepted += sum(r.n_accepted for r in result.rounds)
+            drafted += sum(r.drafted for r in result.rounds)
+    assert accepted / drafted > 0.2
+
+
+def test_shipped_draft_loads_on_its_own_offline():
+    draft = load_model("smollm2-135m-draft", "cpu")
+    assert len(draft.tokenizer) == 49152
+    ids = torch.tensor([[1, 2, 3]])
+    logits = draft.model(ids).logits
+    assert logits.shape == (1, 3, 49152)
+    assert torch.isinf(logits).sum() == 3 * (49152 - draft.model.head_ids.numel())

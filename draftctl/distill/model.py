@@ -1,14 +1,14 @@
 """The distilled draft: a few transformer layers over the target's own embedding.
 
 Architecture (``DraftLM``): the target's token embedding (frozen, not stored with the draft),
-``n_layers`` decoder layers of the target's architecture (initialised from the target's first layers, trained), a
-final norm, and an output head that reuses the target's embedding rows of the ``head_ids``
-(the most frequent tokens of the training text; tied like the target's own head, frozen).
+``n_layers`` decoder layers of the target's architecture (initialised from the target's first
+layers), its final norm, and an output head over ``head_ids`` only (the most frequent tokens of
+the training text), initialised from those tokens' embedding rows. All but the embedding train.
 The draft's ``q`` is zero outside ``head_ids``: logits there are ``-inf``, which the lossless
 rule handles (those tokens are never drafted; the residual keeps the target's mass there).
 
 Stored files: ``config.json`` (config of the layers + draft metadata),
-``model.safetensors`` (layer weights as int8 with one float scale per output row, the norm,
+``model.safetensors`` (matrices as int8 with one float scale per output row, the norms,
 and ``head_ids``), ``manifest.json`` (how it was made).
 """
 
@@ -48,12 +48,15 @@ class DraftLM(nn.Module):
         self.model = AutoModel.from_config(config)
         self.model.embed_tokens.weight = nn.Parameter(embedding, requires_grad=False)
         self.register_buffer("head_ids", head_ids.long(), persistent=False)
-        # Tied, frozen head: the embedding rows of the head tokens, gathered once.
-        self.register_buffer("head_weight", embedding[self.head_ids].clone(), persistent=False)
+        # Output head over the head tokens only, initialised from their embedding rows (the
+        # target ties its head to its embedding) and trained.
+        self.head = nn.Linear(config.hidden_size, len(head_ids), bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(embedding[self.head_ids])
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., len(head_ids)) logits over the head tokens only."""
-        return hidden @ self.head_weight.T
+        return self.head(hidden)
 
     def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False,
                 logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
@@ -80,8 +83,11 @@ def from_target(target: nn.Module, n_layers: int, head_ids: torch.Tensor) -> Dra
 
 
 def trainable_state(draft: DraftLM) -> dict[str, torch.Tensor]:
-    """Everything the draft learned: layers and final norm (not the shared embedding)."""
-    return {k: v for k, v in draft.model.state_dict().items() if not k.startswith("embed_tokens")}
+    """Everything the draft learned: layers, final norm, head (not the shared embedding)."""
+    return {k: v for k, v in draft.state_dict().items() if not k.startswith(SHARED)}
+
+
+SHARED = "model.embed_tokens."
 
 
 def _quantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,8 +164,8 @@ def load_draft(folder: str | Path, embedding: torch.Tensor) -> DraftLM:
             f"draft {folder} expects a target embedding of shape "
             f"({config.vocab_size}, {config.hidden_size}), got {tuple(embedding.shape)}")
     draft = DraftLM(config, embedding, stored.pop("head_ids"))
-    missing, unexpected = draft.model.load_state_dict(_dequantize(stored), strict=False)
-    missing = [m for m in missing if not m.startswith("embed_tokens")]
+    missing, unexpected = draft.load_state_dict(_dequantize(stored), strict=False)
+    missing = [m for m in missing if not m.startswith(SHARED)]
     if missing or unexpected:
         raise DraftFileError(f"draft weights {weights} do not fit its config: missing "
                              f"{missing[:3]}, unexpected {unexpected[:3]}")

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from draftctl.config import save_config
 from draftctl.distill.data import choose_head_ids, generate_responses, read_responses
-from draftctl.distill.model import DraftLM, from_target, save_draft, trainable_state
+from draftctl.distill.model import DraftLM, from_target, load_draft, save_draft, trainable_state
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, LoadedModel, load_model, model_file_sha256
 from draftctl.prompts import load_prompts
@@ -170,7 +170,8 @@ def run_distill(cfg: DistillConfig) -> dict:
                  "eval_prompts": len(eval_prompts),
                  "responses_sha256": _sha256(out / "data" / "responses.jsonl")},
         "architecture": {"n_layers": cfg.n_layers, "head_size": cfg.head_size,
-                         "embedding": "target's, frozen; head tied to it"},
+                         "embedding": "target's, frozen, not stored",
+                         "head": "trained, initialised from the head tokens' embedding rows"},
         "training": {"steps": step, "history": history},
         "agreement_eval_float32": final_agreement,
         "config": asdict(cfg),
@@ -178,6 +179,10 @@ def run_distill(cfg: DistillConfig) -> dict:
                     "machine": platform.machine(), "torch": torch.__version__},
         "wall_minutes_this_run": (time.time() - started) / 60,
     }
+    save_draft(draft, out, cfg.target, manifest)
+    # What ships is int8: measure the agreement of the weights as saved, too.
+    embedding = draft.model.embed_tokens.weight.detach()
+    manifest["agreement_eval_int8"] = agreement(load_draft(out, embedding), eval_rows)
     save_draft(draft, out, cfg.target, manifest)
     return manifest
 
@@ -198,7 +203,7 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
-        draft.model.load_state_dict(state["model"], strict=False)
+        draft.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step, history, spent = state["step"], state["history"], state["spent_s"]
@@ -212,6 +217,13 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
     bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step")
     draft.train()
     mark = time.time()
+
+    def _checkpoint() -> None:
+        _atomic_save({"model": trainable_state(draft), "optimizer": optimizer.state_dict(),
+                      "schedule": schedule.state_dict(), "step": step, "history": history,
+                      "spent_s": spent + time.time() - mark,
+                      "python_rng": random.getstate()}, ckpt)
+
     while step < cfg.steps and spent + (time.time() - mark) < budget_s:
         batch = random.sample(order, min(cfg.batch_sequences, n))
         optimizer.zero_grad(set_to_none=True)
@@ -238,10 +250,9 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
             draft.train()
             bar.write(f"step {step}: eval agreement {history[-1]['agreement']:.3f}")
         if step % cfg.checkpoint_every == 0:
-            _atomic_save({"model": trainable_state(draft), "optimizer": optimizer.state_dict(),
-                          "schedule": schedule.state_dict(), "step": step, "history": history,
-                          "spent_s": spent + time.time() - mark,
-                          "python_rng": random.getstate()}, ckpt)
+            _checkpoint()
+    if step % cfg.checkpoint_every:
+        _checkpoint()  # the final state, so a rerun reproduces this draft without training
     bar.close()
     draft.eval()
     return draft, history, step
