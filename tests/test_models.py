@@ -78,7 +78,6 @@ def test_cli_refuses_a_draft_with_another_vocabulary(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--controller", "static:0"], "k must be >= 1"),
     (["--controller", "warp"], "unknown controller 'warp'"),
-    (["--controller", "svip"], "needs a draft model"),
     (["--max-new-tokens", "0"], "max_new_tokens must be > 0"),
     (["--top-p", "0"], r"top_p must be in \(0, 1\]"),
     (["--prompt", "  "], "the prompt is empty"),
@@ -89,6 +88,12 @@ def test_cli_bad_input_gives_a_clear_error(capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "error:" in err and __import__("re").search(message, err)
+
+
+def test_cli_drafting_controller_without_any_draft(tmp_path, capsys):
+    target = save_model(tmp_path / "target")  # a target with no shipped default draft
+    assert main(["decode", "--target", target, "--prompt", "w1", "--controller", "svip"]) == 2
+    assert "needs a draft model" in capsys.readouterr().err
 
 
 def test_cli_prompt_longer_than_the_context(tmp_path, capsys):
