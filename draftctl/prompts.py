@@ -3,7 +3,8 @@ train/dev/test split rule by question id.
 
 draftctl ships its own prompt set (``draftctl/data/prompts.jsonl``, written for draftctl, 120
 prompts in Spec-Bench's format and six task groups); pass ``--prompts PATH`` for Spec-Bench's
-``question.jsonl`` or any other set.
+``question.jsonl`` or any other set. A folder saved with ``datasets``' ``save_to_disk`` reads
+the same way (records with ``turns`` or ``prompt``).
 """
 
 from __future__ import annotations
@@ -62,14 +63,16 @@ def load_prompts(path: str | Path | None = None, split: str = "all",
     if limit is not None and limit <= 0:
         raise PromptFileError(f"limit must be > 0, got {limit}")
     path = Path(path) if path is not None else DEFAULT_PROMPTS
-    if not path.is_file():
+    if path.is_dir():
+        lines = _dataset_lines(path)
+    elif path.is_file():
+        lines = path.read_text(encoding="utf-8").split("\n")
+    else:
         raise PromptFileError(f"prompt file not found: {path}")
     prompts: list[Prompt] = []
     seen: set[int] = set()
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
+    for line_no, line in enumerate(lines, 1):
+        if line.strip():
             prompt = _parse(line, line_no, path)
             if prompt.question_id in seen:
                 raise PromptFileError(f"{path}:{line_no}: duplicate question_id "
@@ -80,6 +83,19 @@ def load_prompts(path: str | Path | None = None, split: str = "all",
         raise PromptFileError(f"{path} holds no prompts")
     chosen = [p for p in prompts if split == "all" or p.split == split]
     return chosen[:limit] if limit is not None else chosen
+
+
+def _dataset_lines(path: Path) -> list[str]:
+    """Records of a datasets folder (``save_to_disk`` output), as JSON lines."""
+    import datasets
+
+    try:
+        data = datasets.load_from_disk(str(path))
+    except FileNotFoundError as err:
+        raise PromptFileError(f"{path} is a folder but not a saved datasets dataset: {err}") from None
+    if isinstance(data, datasets.DatasetDict):
+        data = data["train"] if "train" in data else next(iter(data.values()))
+    return [json.dumps(row) for row in data]
 
 
 def _parse(line: str, line_no: int, path: Path) -> Prompt:

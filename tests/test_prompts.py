@@ -68,3 +68,16 @@ def test_reads_spec_bench_and_groups_mt_bench():
     assert by_task == {"mt_bench": 80, "translation": 80, "summarization": 80, "qa": 80,
                        "math_reasoning": 80, "rag": 80}
     assert len(load_prompts(SPEC_BENCH, split="test")) == 96
+
+
+def test_reads_a_saved_datasets_folder(tmp_path):
+    import datasets
+
+    rows = [{"question_id": i, "category": "qa", "turns": [f"question {i}"]} for i in range(6)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    prompts = load_prompts(tmp_path / "ds", split="train")
+    assert [p.question_id for p in prompts] == [0, 1, 2, 5]
+    assert prompts[-1].text == "question 5"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PromptFileError, match="not a saved datasets dataset"):
+        load_prompts(tmp_path / "empty")

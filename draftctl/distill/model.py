@@ -82,12 +82,13 @@ def from_target(target: nn.Module, n_layers: int, head_ids: torch.Tensor) -> Dra
     return draft
 
 
+SHARED = "model.embed_tokens."  # the target's embedding: shared, never stored
+
+
 def trainable_state(draft: DraftLM) -> dict[str, torch.Tensor]:
     """Everything the draft learned: layers, final norm, head (not the shared embedding)."""
     return {k: v for k, v in draft.state_dict().items() if not k.startswith(SHARED)}
 
-
-SHARED = "model.embed_tokens."
 
 
 def _quantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
