@@ -18,23 +18,19 @@ import torch
 
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.decode.loop import synchronize
 from draftctl.models import DEFAULT_TARGET, encode_prompt, load_model
 from draftctl.prompts import load_prompts
 
 
 def hf_generate(model, ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
     inputs = torch.tensor([ids], device=model.device)
-    _sync(model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     out = model.generate(inputs, max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=eos, pad_token_id=eos[0])
-    _sync(model.device)
+    synchronize(model.device)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.loop import synchronize
 from draftctl.models import DEFAULT_TARGET, encode_prompt, load_model
 from draftctl.prompts import load_prompts
 
@@ -56,8 +57,7 @@ def step_cost_ratio(target, draft, context: list[int], repeats: int = 30) -> dic
         for name, lm in lms.items():
             start = time.perf_counter()
             lm.forward(ids[-1:], last_only=True)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(target.device)
             times[name].append(time.perf_counter() - start)
             lm.truncate(len(ids) - 1)
     medians = {name: statistics.median(t) for name, t in times.items()}

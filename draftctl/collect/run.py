@@ -26,6 +26,7 @@ from draftctl.decode.features import (
     distribution_stats,
     make_record,
 )
+from draftctl.decode.loop import synchronize
 from draftctl.errors import DraftctlError
 from draftctl.models import (
     DEFAULT_TARGET,
@@ -91,8 +92,7 @@ def measure_costs(decoder: SpeculativeDecoder, context: list[int], max_n: int,
         for _ in range(repeats):
             start = time.perf_counter()
             lm.forward(ids[-n:], last_only=last_only)
-            if decoder.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(decoder.device)
             times.append(time.perf_counter() - start)
             lm.truncate(len(ids) - n)
         return statistics.median(times)

@@ -271,10 +271,10 @@ def generate(decoder: SpeculativeDecoder, prompt_ids: Sequence[int], controller:
     target_before = decoder.target.forwards
     draft_lm = decoder.drafter.lm if decoder.drafter is not None else None
     draft_before = draft_lm.forwards if draft_lm is not None else 0
-    _synchronize(decoder.device)
+    synchronize(decoder.device)
     start = time.perf_counter()
     rounds = list(decoder.rounds(prompt_ids, controller, seed))
-    _synchronize(decoder.device)
+    synchronize(decoder.device)
     wall = time.perf_counter() - start
     output = [t for r in rounds for t in r.new_tokens]
     if output and output[-1] in decoder.eos_ids:
@@ -290,6 +290,7 @@ def generate(decoder: SpeculativeDecoder, prompt_ids: Sequence[int], controller:
         stop_reason=reason)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (CUDA); a no-op on CPU. For timing around whole calls."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
