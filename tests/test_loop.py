@@ -5,10 +5,11 @@ import torch
 
 from draftctl.controllers import REGISTRY, make_controller
 from draftctl.decode import DecodeInputError, generate
+from draftctl.decode.cached_lm import CachedLM
 from tests.conftest import make_decoder, tiny_llama, tiny_pair
 
 ALL_SPECS = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5",
-             "confidence-roc", "pmin:0.6", "svip:0.5", "adaedl"]
+             "confidence-roc", "pmin:0.6", "svip:0.5", "adaedl", "oracle"]
 PROMPTS = [[5, 6, 7, 8, 9], [1], [40, 2, 2, 17, 88, 3, 60, 61, 62, 63, 64, 12]]
 
 
@@ -22,9 +23,15 @@ def test_greedy_speculative_output_equals_target_only_output(tiny_models, spec):
     decoder = make_decoder(target, draft, max_new_tokens=40)
     for prompt in PROMPTS:
         reference = generate(decoder, prompt, make_controller("none"))
-        result = generate(decoder, prompt, make_controller(spec))
+        controller = make_controller(spec)
+        if spec == "oracle":
+            controller.set_reference(reference.output_ids)
+        result = generate(decoder, prompt, controller)
         assert result.output_ids == reference.output_ids
         assert len(result.output_ids) == 40
+        if spec == "oracle":  # drafts only what the target accepts
+            assert all(r.n_accepted == r.drafted for r in result.rounds)
+            assert sum(r.drafted for r in result.rounds) > 0
 
 
 def test_target_only_output_equals_a_naive_argmax_loop(tiny_models):
@@ -173,3 +180,23 @@ def test_logits_past_the_vocabulary_never_become_tokens():
     padded = make_decoder(target, target, max_new_tokens=20, vocab_size=50)
     for spec in ("none", "static:3"):
         assert max(generate(padded, [1, 2, 3], make_controller(spec)).output_ids) < 50
+
+
+def test_masked_forward_runs_branches_like_separate_sequences(tiny_models):
+    """Two branches after a shared prefix, fed in one pass, give each branch's own logits."""
+    target, _ = tiny_models
+    prefix, left, right = [5, 7, 11, 13], [20, 21], [30, 31]
+    lm = CachedLM(target, 97)
+    lm.forward(torch.tensor(prefix))
+    tokens = torch.tensor(left + right)
+    positions = torch.tensor([4, 5, 4, 5])
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    allowed = torch.cat([torch.ones(4, 4, dtype=torch.bool), tree], dim=1)
+    logits = lm.forward_masked(tokens, positions, allowed)
+    assert len(lm) == 8
+    for branch, rows in ((left, logits[:2]), (right, logits[2:])):
+        alone = CachedLM(target, 97)
+        expect = alone.forward(torch.tensor(prefix + branch))[-2:]
+        torch.testing.assert_close(rows, expect, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="attention pattern has shape"):
+        lm.forward_masked(tokens, positions, allowed)

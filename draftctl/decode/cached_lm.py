@@ -36,6 +36,28 @@ class CachedLM:
         self.forwards += 1
         return out.logits[0, :, : self.vocab_size]
 
+    @torch.inference_mode()
+    def forward_masked(self, tokens: torch.Tensor, positions: torch.Tensor,
+                       allowed: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` (n,) at explicit ``positions`` (n,) under an explicit attention
+        pattern: ``allowed`` (n, len(self) + n) bool, True where query i may attend to key j
+        (the cached keys, then the new tokens). For trees and batched branches: several
+        continuations share one cache. Returns logits (n, vocab); the cache grows by n."""
+        n = tokens.shape[0]
+        if allowed.shape != (n, self._length + n):
+            raise ValueError(f"attention pattern has shape {tuple(allowed.shape)}, expected "
+                             f"({n}, {self._length + n})")
+        mask = allowed[None, None]
+        if self.model.config._attn_implementation != "sdpa":  # eager: additive float mask
+            dtype = next(self.model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min)
+        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
+                         attention_mask=mask, position_ids=positions[None])
+        self._length += n
+        self.forwards += 1
+        return out.logits[0, :, : self.vocab_size]
+
     def truncate(self, length: int) -> None:
         """Drop cached positions ``length`` and beyond (no-op if the cache is shorter)."""
         if length < self._length:

@@ -59,8 +59,11 @@ class DraftLM(nn.Module):
         return self.head(hidden)
 
     def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False,
-                logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
-        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=use_cache).last_hidden_state
+                logits_to_keep: int = 0, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=use_cache,
+                            attention_mask=attention_mask,
+                            position_ids=position_ids).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         small = self.head_logits(hidden)
