@@ -8,16 +8,20 @@ import sys
 import datasets
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from draftctl.collect import run as collect_run
 from draftctl.collect.run import CollectConfig, run_collect
 from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.features import distribution_stats
 from draftctl.errors import DraftctlError
 from draftctl.models import encode_prompt, load_model, perturbed_copy
 from draftctl.prompts import load_prompts
 from draftctl.train.replay import replay
+from tests.conftest import make_decoder
 from tests.test_models import save_model, word_tokenizer
 
 
@@ -71,6 +75,31 @@ def test_dense_replay_equals_real_runs_exactly(pair, tmp_path):
     info = json.loads((tmp_path / "dense" / "run.json").read_text())
     assert len(info["cost"]["t_verify_s"]) == 7 and info["cost"]["t_draft_s"] > 0
     assert info["feature_schema_version"] == 1
+
+
+def test_batched_dense_rows_equal_step_by_step_drafting(tiny_models):
+    target, draft = tiny_models
+    decoder = make_decoder(target, draft, max_new_tokens=12, max_draft=5)
+    prompt = [3, 14, 15, 9, 26]
+    rows = collect_run.dense_rows(decoder, prompt, 5, "run", 1, "qa")
+    output = generate(decoder, prompt, make_controller("none")).output_ids
+    seq = prompt + output
+    assert len(rows) == len(output) * 5
+    lm = CachedLM(draft, 97)
+    for t in range(len(output)):
+        lm.reset()
+        logits = lm.forward(torch.tensor(seq[:len(prompt) + t]), last_only=True)
+        expect = []
+        for _ in range(5):
+            expect.append(int(logits.argmax()))
+            entropy = distribution_stats(torch.softmax(logits, -1))[0, 0]
+            mine = rows[t * 5 + len(expect) - 1]
+            assert mine["entropy"] == pytest.approx(float(entropy), abs=1e-4)
+            logits = lm.forward(logits.argmax(dim=-1), last_only=True)
+        assert [r["draft_token"] for r in rows[t * 5:t * 5 + 5]] == expect, t
+        truth = seq[len(prompt) + t:len(prompt) + t + 5]
+        match = next((j for j, (a, b) in enumerate(zip(expect, truth)) if a != b), len(truth))
+        assert rows[t * 5]["match_len"] == match
 
 
 def test_probe_rows_are_readable_with_datasets_and_consistent(pair, tmp_path):

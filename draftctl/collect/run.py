@@ -47,6 +47,7 @@ class CollectConfig:
     prompts: str | None = None  # JSONL or datasets folder; default: draftctl's prompt set
     split: str = "train"
     limit: int | None = None
+    per_category: int | None = None  # first N prompts of each task group (after the split)
     mode: str = "dense"  # probe: always K_probe; policy: `controller`; dense: see traces.py
     controller: str = "svip"
     k_probe: int = 16
@@ -114,39 +115,54 @@ def measure_costs(decoder: SpeculativeDecoder, context: list[int], max_n: int,
 def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int, run_id: str,
                prompt_id: int, category: str) -> list[dict]:
     """The draft's greedy ``k_probe``-token continuation at every position of the target's
-    greedy output (which greedy SD with ``static:4`` gives exactly)."""
-    output = generate(decoder, prompt_ids, make_controller("static:4")).output_ids
-    seq = prompt_ids + output
+    greedy output.
+
+    The target's output comes from plain decoding (greedy SD would give the same tokens). The
+    continuations are batched: one draft pass over the whole sequence gives every position's
+    first token, then each further step feeds all T branches at once, each attending to its
+    own context prefix and its own earlier draft tokens (``CachedLM.forward_masked``), so the
+    cost is ``k_probe`` draft passes of T tokens instead of T * k_probe single steps.
+    """
+    output = generate(decoder, prompt_ids, make_controller("none")).output_ids
+    if not output:
+        return []
+    seq = torch.tensor(prompt_ids + output, device=decoder.device)
+    n_prompt, n_out = len(prompt_ids), len(output)
     lm = decoder.drafter.lm
     lm.reset()
-    if len(prompt_ids) > 1:
-        lm.forward(torch.tensor(prompt_ids[:-1], device=decoder.device), last_only=True)
+    logits = lm.forward(seq[:-1])[n_prompt - 1:]  # (T, V): row t continues seq[:n_prompt + t]
+    base = len(lm)
+    branch = torch.arange(n_out, device=decoder.device)
+    context_len = n_prompt + branch
+    prefix_ok = torch.arange(base, device=decoder.device)[None, :] < context_len[:, None]
+    own = torch.eye(n_out, dtype=torch.bool, device=decoder.device)
+    tokens, stats = [], []
+    for step in range(k_probe):
+        stats.append(distribution_stats(torch.softmax(logits.float(), -1)))
+        tokens.append(logits.argmax(dim=-1))
+        if step + 1 == k_probe:
+            break
+        allowed = torch.cat([prefix_ok, *([own] * (step + 1))], dim=1)
+        logits = lm.forward_masked(tokens[-1], context_len + step, allowed)
+    lm.reset()
+    drafted = torch.stack(tokens, dim=1).tolist()  # (T, k_probe)
+    stats = torch.stack(stats, dim=1).tolist()  # (T, k_probe, 1 + TOP_K)
+    seq = seq.tolist()
     rows = []
-    for t in range(len(output)):
-        context_len = len(prompt_ids) + t
-        feed = torch.tensor(seq[context_len - 1:context_len], device=decoder.device)
-        stats, tokens = [], []
-        for _ in range(k_probe):
-            logits = lm.forward(feed, last_only=True)
-            stats.append(distribution_stats(torch.softmax(logits.float(), -1)))
-            feed = logits.argmax(dim=-1)
-            tokens.append(feed)
-        lm.truncate(context_len)
-        tokens = torch.cat(tokens).tolist()
-        stats = torch.cat(stats).tolist()
-        truth = seq[context_len:context_len + k_probe]
-        match = next((j for j, (a, b) in enumerate(zip(tokens, truth)) if a != b),
+    for t in range(n_out):
+        truth = seq[n_prompt + t:n_prompt + t + k_probe]
+        match = next((j for j, (a, b) in enumerate(zip(drafted[t], truth)) if a != b),
                      min(len(truth), k_probe))
-        state = SequenceState(context_len)  # history features are rebuilt at replay
+        state = SequenceState(n_prompt + t)  # history features are rebuilt at replay
         cum = 1.0
         for j in range(k_probe):
-            record = make_record(stats[j], j + 1, cum, state)
+            record = make_record(stats[t][j], j + 1, cum, state)
             cum = record.cum_top1
             rows.append({"run_id": run_id, "prompt_id": prompt_id, "category": category,
                          "round": t, "position": j + 1, **record.as_row(),
-                         "draft_token": tokens[j],
+                         "draft_token": drafted[t][j],
                          "target_token": truth[j] if j < len(truth) else -1,
-                         "match_len": match, "output_len": len(output)})
+                         "match_len": match, "output_len": n_out})
     return rows
 
 
@@ -182,7 +198,8 @@ def run_collect(cfg: CollectConfig) -> dict:
     draft_spec = cfg.draft or default_draft(cfg.target)
     if draft_spec is None:
         raise DraftctlError(f"no draft for {cfg.target!r}: pass --draft SPEC")
-    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit)[rank::world]
+    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit,
+                           cfg.per_category)[rank::world]
     target = load_model(cfg.target, cfg.device)
     draft = load_model(draft_spec, target.device, target=target)
     decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config())
@@ -219,6 +236,8 @@ def run_collect(cfg: CollectConfig) -> dict:
             rows = dense_rows(decoder, ids, cfg.k_probe, run_id, prompt.question_id,
                               prompt.category)
             tokens += rows[0]["output_len"] if rows else 0
+            drafted += sum(r["position"] == 1 for r in rows)  # first-token agreement
+            accepted += sum(r["position"] == 1 and r["match_len"] > 0 for r in rows)
         else:
             rows = []
             for record in decoder.rounds(ids, controller):
