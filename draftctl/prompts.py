@@ -56,12 +56,18 @@ def split_of(question_id: int) -> str:
 
 
 def load_prompts(path: str | Path | None = None, split: str = "all",
-                 limit: int | None = None) -> list[Prompt]:
-    """Read a JSONL prompt file; keep one split; keep the first ``limit`` prompts."""
-    if split not in SPLITS:
-        raise PromptFileError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
-    if limit is not None and limit <= 0:
-        raise PromptFileError(f"limit must be > 0, got {limit}")
+                 limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
+    """Read a JSONL prompt file; keep the prompts of ``split`` (one of train, dev, test, all,
+    or several joined by commas, e.g. ``train,dev``); then keep the first ``per_category``
+    prompts of each task group (``Prompt.task``); then the first ``limit`` prompts."""
+    splits = set(split.split(","))
+    unknown = sorted(splits - set(SPLITS))
+    if unknown or not split:
+        raise PromptFileError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}, "
+                              "or several joined by commas")
+    for name, value in (("limit", limit), ("per_category", per_category)):
+        if value is not None and value <= 0:
+            raise PromptFileError(f"{name} must be > 0, got {value}")
     path = Path(path) if path is not None else DEFAULT_PROMPTS
     if path.is_dir():
         lines = _dataset_lines(path)
@@ -81,7 +87,15 @@ def load_prompts(path: str | Path | None = None, split: str = "all",
             prompts.append(prompt)
     if not prompts:
         raise PromptFileError(f"{path} holds no prompts")
-    chosen = [p for p in prompts if split == "all" or p.split == split]
+    chosen = [p for p in prompts if "all" in splits or p.split in splits]
+    if per_category is not None:
+        taken: dict[str, int] = {}
+        kept = []
+        for p in chosen:
+            taken[p.task] = taken.get(p.task, 0) + 1
+            if taken[p.task] <= per_category:
+                kept.append(p)
+        chosen = kept
     return chosen[:limit] if limit is not None else chosen
 
 

@@ -81,3 +81,18 @@ def test_reads_a_saved_datasets_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(PromptFileError, match="not a saved datasets dataset"):
         load_prompts(tmp_path / "empty")
+
+
+def test_several_splits_and_a_per_category_cap():
+    both = load_prompts(split="train,dev")
+    assert {p.split for p in both} == {"train", "dev"}
+    assert len(both) == len(load_prompts(split="train")) + len(load_prompts(split="dev"))
+    capped = load_prompts(split="all", per_category=2)
+    counts = {}
+    for p in capped:
+        counts[p.task] = counts.get(p.task, 0) + 1
+    assert set(counts.values()) == {2} and len(counts) == len({p.task for p in load_prompts()})
+    with pytest.raises(PromptFileError, match="unknown split 'train,val'"):
+        load_prompts(split="train,val")
+    with pytest.raises(PromptFileError, match="per_category must be > 0"):
+        load_prompts(per_category=0)
