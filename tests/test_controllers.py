@@ -3,9 +3,16 @@ import math
 import numpy as np
 import pytest
 
-from draftctl.controllers import UNBOUNDED, Action, ControllerSpecError, make_controller
+from draftctl.controllers import (
+    UNBOUNDED,
+    Action,
+    ControllerSpecError,
+    expand_specs,
+    make_controller,
+)
 from draftctl.controllers.rules import roc_threshold
 from draftctl.decode.features import FeatureRecord
+from draftctl.errors import DraftctlError
 
 
 def rec(top1: float = 0.9, entropy: float = 0.1, top2: float = 0.05, pos: int = 1) -> FeatureRecord:
@@ -141,3 +148,37 @@ def test_unbounded_default_and_spec_kept():
 def test_bad_specs_are_refused_with_the_reason(spec, message):
     with pytest.raises(ControllerSpecError, match=message):
         make_controller(spec)
+
+
+def test_ranges_expand_and_other_specs_stay_as_written():
+    assert expand_specs("static:1-3,svip:0.4,n_max=2-3,heuristic") == [
+        "static:1", "static:2", "static:3", "svip:0.4,n_max=2", "svip:0.4,n_max=3", "heuristic"]
+    assert expand_specs(["confidence:0.30", "static:2-2"]) == ["confidence:0.30", "static:2"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("static:4-2", "range 4-2 is empty"),
+    ("static:0-2", "k must be >= 1, got 0"),
+    ("bogus:1-2", "unknown controller 'bogus'"),
+])
+def test_bad_ranges_are_refused(spec, message):
+    with pytest.raises(ControllerSpecError, match=message):
+        expand_specs(spec)
+
+
+def test_oracle_keeps_exactly_the_reference_tokens():
+    oracle = make_controller("oracle")
+    with pytest.raises(DraftctlError, match="needs the target's greedy output"):
+        oracle.max_draft()
+    oracle.set_reference([5, 6, 7, 8, 9])
+    oracle.reset()
+    assert oracle.max_draft() == 4
+    decisions = []
+    for token in (5, 6, 1):
+        oracle.see_token(token)
+        decisions.append(oracle.decide(rec()))
+    assert decisions == [Action.CONTINUE, Action.CONTINUE, Action.DISCARD]
+    oracle.observe([rec(), rec()], 2)  # tokens 5, 6 accepted, 7 appended as the correction
+    oracle.see_token(8)
+    assert oracle.decide(rec()) is Action.CONTINUE
+    assert oracle.max_draft() == 1

@@ -1,14 +1,21 @@
 """Draft-length controllers behind one small interface, built from spec strings."""
 
 from draftctl.controllers.base import UNBOUNDED, Action, Controller
-from draftctl.controllers.registry import REGISTRY, ControllerSpecError, describe, make_controller
+from draftctl.controllers.registry import (
+    REGISTRY,
+    ControllerSpecError,
+    describe,
+    expand_specs,
+    make_controller,
+)
 
 __all__ = [
-           "REGISTRY",
-           "UNBOUNDED",
-           "Action",
-           "Controller",
-           "ControllerSpecError",
-           "describe",
-           "make_controller",
+    "REGISTRY",
+    "UNBOUNDED",
+    "Action",
+    "Controller",
+    "ControllerSpecError",
+    "describe",
+    "expand_specs",
+    "make_controller",
 ]

@@ -31,6 +31,9 @@ class Controller:
     #: Whether ``decide`` looks at the record. If not, the decoder skips the per-token call
     #: and the device-to-host copy of the features until the round ends.
     reads_features: bool = True
+    #: Whether the controller sees each drafted token id (``see_token``) before ``decide``.
+    #: Only the reference oracle does: it costs a device-to-host copy per token.
+    reads_tokens: bool = False
     #: The spec string the controller was built from (set by the registry).
     spec: str = ""
 
@@ -43,6 +46,9 @@ class Controller:
 
     def decide(self, record: FeatureRecord) -> Action:
         return Action.CONTINUE
+
+    def see_token(self, token: int) -> None:
+        """The id of the token about to be decided on (only when ``reads_tokens``)."""
 
     def observe(self, records: Sequence[FeatureRecord], n_accepted: int) -> None:
         """Hear a round's outcome: the drafted tokens' records and how many were accepted."""

@@ -6,6 +6,7 @@ e.g. ``static:4``, ``svip:0.3``, ``adaedl:lam=0.4,gamma=0.2``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,8 @@ REGISTRY: dict[str, Entry] = {
                                Param("h", float, lambda v: v > 0, "> 0"),
                                Param("n_max", int, **_POSITIVE_INT)),
                   "SVIP: stop after the token with sqrt(0.15 H) > T (default 0.3)"),
+    "oracle": Entry(rules.ReferenceOracle, (),
+                    "upper bound: drafts exactly the tokens the target accepts (bench, greedy)"),
     "adaedl": Entry(rules.AdaEDL, (_prob("lam"), Param("gamma", float, lambda v: v > 0, "> 0"),
                                    Param("step", float, lambda v: 0 <= v < 1, "in [0, 1)"),
                                    Param("n_max", int, **_POSITIVE_INT)),
@@ -88,6 +91,48 @@ def make_controller(spec: str) -> Controller:
     controller = entry.factory(**kwargs)
     controller.spec = spec
     return controller
+
+
+def expand_specs(specs: str | list[str]) -> list[str]:
+    """Comma-separated or listed specs with integer ranges expanded: ``static:1-4`` gives
+    ``static:1`` .. ``static:4``; ``svip:0.4,n_max=2-3`` gives two specs. Every spec is
+    checked (``ControllerSpecError`` names the bad one); unranged specs stay as written."""
+    specs = _split_specs(specs) if isinstance(specs, str) \
+        else [one for text in specs for one in _split_specs(text)]
+    out: list[str] = []
+    for spec in specs:
+        name, _, arg_text = spec.strip().partition(":")
+        items = arg_text.split(",") if arg_text and name != "onnx" else []
+        ranged = [i for i, item in enumerate(items) if re.fullmatch(r"(\w+=)?\d+-\d+", item)]
+        if not ranged:
+            make_controller(spec)
+            out.append(spec.strip())
+            continue
+        if len(ranged) > 1:
+            raise ControllerSpecError(f"controller spec {spec!r}: only one range per spec")
+        i = ranged[0]
+        key, eq, text = items[i].rpartition("=")
+        lo, hi = (int(v) for v in text.split("-"))
+        if lo > hi:
+            raise ControllerSpecError(f"controller spec {spec!r}: range {lo}-{hi} is empty")
+        for value in range(lo, hi + 1):
+            expanded = f"{name}:{','.join([*items[:i], f'{key}{eq}{value}', *items[i + 1:]])}"
+            make_controller(expanded)
+            out.append(expanded)
+    return out
+
+
+def _split_specs(text: str) -> list[str]:
+    """Split ``a,b:k=1,c`` into specs: a comma starts a new spec unless ``k=v`` follows it
+    (a further parameter of the same spec) or the current spec is ``onnx:PATH``."""
+    specs: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if specs and ("=" in part and ":" not in part):
+            specs[-1] += "," + part
+        elif part:
+            specs.append(part)
+    return specs
 
 
 def _parse_args(spec: str, entry: Entry, arg_text: str) -> dict[str, float]:

@@ -9,9 +9,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from draftctl.controllers.base import Action, Controller
+from draftctl.errors import DraftctlError
 
 if TYPE_CHECKING:  # the decoder imports controllers; annotations only
     from draftctl.decode.features import FeatureRecord
+
+
+class ControllerStateError(DraftctlError):
+    """A controller used where it lacks what it needs."""
 
 
 class NoDraft(Controller):
@@ -181,3 +186,49 @@ class AdaEDL(Controller):
             return
         delta = -self.step if n_accepted == len(records) else self.step
         self.lam = min(0.95, max(0.05, self.lam + delta))
+
+
+class ReferenceOracle(Controller):
+    """``oracle``: the real-run upper bound of any length policy, for greedy decoding.
+
+    It knows the target's greedy output (from a plain run of the same prompt, given with
+    ``set_reference``) and keeps drafting while the draft's tokens equal it; the first token
+    that differs is dropped unverified, so no verified token is ever wasted. Only the draft
+    steps that found the mismatch are spent. ``draftctl bench`` sets the reference itself.
+    """
+
+    reads_tokens = True
+
+    def __init__(self):
+        self.reference: list[int] | None = None
+        self.reset()
+
+    def set_reference(self, output_ids: Sequence[int]) -> None:
+        self.reference = list(output_ids)
+
+    def reset(self) -> None:
+        self.done = 0  # output tokens produced so far in this sequence
+        self.index = 0  # draft tokens kept so far in this round
+        self.token = -1
+
+    def max_draft(self) -> int:
+        if self.reference is None:
+            raise ControllerStateError(
+                "the oracle needs the target's greedy output: use it in draftctl bench or "
+                "replay, which give it that output")
+        return max(0, len(self.reference) - self.done - 1)
+
+    def see_token(self, token: int) -> None:
+        self.token = token
+
+    def decide(self, record: FeatureRecord) -> Action:
+        where = self.done + self.index
+        if self.reference is not None and where < len(self.reference) \
+                and self.reference[where] == self.token:
+            self.index += 1
+            return Action.CONTINUE
+        return Action.DISCARD
+
+    def observe(self, records: Sequence[FeatureRecord], n_accepted: int) -> None:
+        self.done += n_accepted + 1
+        self.index = 0
