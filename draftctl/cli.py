@@ -8,7 +8,7 @@ import sys
 
 from draftctl import __version__
 from draftctl.config import load_config
-from draftctl.controllers import describe
+from draftctl.controllers import describe, expand_specs
 from draftctl.errors import DraftctlError
 from draftctl.jobs import DecodeJob, DemoJob, format_table, quick_demo, run_decode, run_demo
 from draftctl.models import default_draft
@@ -66,8 +66,8 @@ def _distill(args: argparse.Namespace) -> int:
 def _collect(args: argparse.Namespace) -> int:
     from draftctl.collect.run import CollectConfig, run_collect
 
-    keys = ("target", "draft", "prompts", "split", "limit", "mode", "controller", "k_probe",
-            "max_new_tokens", "temperature", "top_k", "top_p", "seed", "device", "out")
+    keys = ("target", "draft", "prompts", "split", "limit", "per_category", "mode", "controller",
+            "k_probe", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "device", "out")
     cfg = load_config(CollectConfig, args.config, {k: getattr(args, k) for k in keys})
     summary = run_collect(cfg)
     print(f"rank {summary['rank']}/{summary['world_size']}: {summary['collected']} of "
@@ -78,8 +78,7 @@ def _collect(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from draftctl.train.replay import replay
 
-    specs = [s.strip() for s in args.controllers.split(",") if s.strip()]
-    results = replay(args.traces, specs)
+    results = replay(args.traces, expand_specs(args.controllers))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
@@ -90,6 +89,30 @@ def _replay(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['spec']:<18}{r['tau']:>7.2f}{r['drafted']:>9}{r['wasted']:>9.0f}"
               f"{r['target_forwards']:>11}{r['draft_forwards']:>10}{r['modelled_speedup']:>9.3f}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from draftctl.bench.report import format_table
+    from draftctl.bench.run import BenchConfig, run_bench
+
+    keys = ("prompts", "split", "limit", "per_category", "target", "draft", "max_new_tokens",
+            "max_draft", "temperature", "top_k", "top_p", "seed", "device", "dtype", "out")
+    overrides = {k: getattr(args, k) for k in keys}
+    if args.controllers is not None:
+        overrides["controllers"] = [args.controllers]
+    if args.no_plots:
+        overrides["plots"] = False
+    cfg = load_config(BenchConfig, args.config, overrides)
+    report = run_bench(cfg)
+    print(f"\n{report['target']} with draft {report['draft'] or '-'}, {report['prompts']} "
+          f"{report['split']} prompts, {cfg.max_new_tokens} new tokens at most")
+    print(format_table(report))
+    print(f"\nreport: {cfg.out}/report.md, report.json, plots and answers/")
+    if report["mismatches"]:
+        print(f"draftctl bench: {report['mismatches']} outputs differ from plain greedy "
+              "decoding: a lossless decoder must not do that", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -169,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--target")
     col.add_argument("--draft")
     col.add_argument("--prompts", help="JSONL prompts (turns or prompt field) or a datasets folder")
-    col.add_argument("--split", choices=("train", "dev", "test", "all"))
-    col.add_argument("--limit", type=int)
+    col.add_argument("--split", help="train, dev, test, all, or several joined by commas")
+    col.add_argument("--limit", type=int, help="keep the first N prompts")
+    col.add_argument("--per-category", type=int, help="keep the first N prompts of each category")
     col.add_argument("--mode", choices=("probe", "policy", "dense"))
     col.add_argument("--controller", help="policy for --mode policy")
     col.add_argument("--k-probe", type=int)
@@ -189,6 +213,32 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "static:4,svip,oracle")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_replay)
+
+    be = sub.add_parser(
+        "bench", help="every controller side by side in real decoding, with AR and oracle",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="controllers (comma-separated; integer ranges expand, e.g. static:1-8):\n"
+        + describe())
+    be.add_argument("--config", help="YAML file with any of these options")
+    be.add_argument("--prompts", help="JSONL prompts (turns or prompt field) or a datasets folder")
+    be.add_argument("--split", help="train, dev, test (default), all, or several joined by commas")
+    be.add_argument("--limit", type=int, help="keep the first N prompts")
+    be.add_argument("--per-category", type=int, help="keep the first N prompts of each category")
+    be.add_argument("--controllers", help="comma-separated specs (default: static:1-4,heuristic,"
+                                          "confidence,pmin,svip,oracle)")
+    be.add_argument("--target")
+    be.add_argument("--draft")
+    be.add_argument("--max-new-tokens", type=int)
+    be.add_argument("--max-draft", type=int)
+    be.add_argument("--temperature", type=float)
+    be.add_argument("--top-k", type=int)
+    be.add_argument("--top-p", type=float)
+    be.add_argument("--seed", type=int)
+    be.add_argument("--device")
+    be.add_argument("--dtype")
+    be.add_argument("--no-plots", action="store_true")
+    be.add_argument("--out", help="output folder (default runs/bench)")
+    be.set_defaults(func=_bench)
 
     tr = sub.add_parser("train", help="fit an acceptance model and choose its stop threshold")
     tr.add_argument("--config")

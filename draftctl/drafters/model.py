@@ -85,6 +85,8 @@ class ModelDrafter:
                 token = torch.multinomial(q, 1, generator=generator)[0]
             if controller.reads_features:
                 record = make_record(stat[0].tolist(), i + 1, cum_top1, state)
+                if controller.reads_tokens:
+                    controller.see_token(int(token))
                 start = time.perf_counter()
                 action = controller.decide(record)
                 controller_s += time.perf_counter() - start

@@ -1,0 +1,1 @@
+"""``draftctl bench``: every controller side by side in real decoding."""

@@ -1,0 +1,165 @@
+"""Bench outputs besides ``report.json``: a Markdown table, Spec-Bench answer files, plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from draftctl.bench.run import Run
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(report: dict) -> str:
+    """Fixed-width table: AR first, then each controller."""
+    head = (f"{'controller':<22}{'tok/s':>8}{'vs AR':>7}{'tau':>6}{'accept':>8}{'drafted':>9}"
+            f"{'wasted':>8}{'ctrl us':>9}{'mismatch':>9}")
+    ar = report["ar"]
+    lines = [head, "-" * len(head),
+             (f"{'none (AR)':<22}{ar['tokens_per_s']:>8.1f}{1:>7.2f}{ar['tau']:>6.2f}"
+              f"{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")]
+    for r in report["controllers"]:
+        spec = r["spec"] if len(r["spec"]) <= 21 else "..." + r["spec"][-18:]
+        lines.append(f"{spec:<22}{r['tokens_per_s']:>8.1f}{r['speedup_vs_ar']:>7.2f}"
+                     f"{r['tau']:>6.2f}{_num(r['acceptance_rate'], '.2f'):>8}{r['drafted']:>9}"
+                     f"{r['wasted']:>8}{_num(r['controller_us_per_call'], '.1f'):>9}"
+                     f"{r['mismatches']:>9}")
+    return "\n".join(lines)
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    cats = sorted(report["ar"]["per_category"])
+    ar = report["ar"]
+    intro = (f"{report['prompts']} prompts ({report['split']} split), "
+             f"{'greedy' if report['greedy'] else 'sampling'}, "
+             f"{report['config']['max_new_tokens']} new tokens at most. Speedup is tokens/s "
+             "over plain autoregressive decoding (AR) of the same prompts by the same decoder; "
+             "tau counts the bonus token.")
+    header = ("| controller | tok/s | speedup | tau | acceptance | drafted | wasted | "
+              "target fw | draft fw | controller us/call | mismatches |")
+    ar_row = (f"| none (AR) | {ar['tokens_per_s']:.2f} | 1.00 | {ar['tau']:.2f} | - | 0 | 0 | "
+              f"{ar['target_forwards']} | 0 | - | - |")
+    lines = [f"# draftctl bench: {report['target']} with draft {report['draft'] or '-'}", "",
+             intro, "", header, "|---" * 11 + "|", ar_row]
+    for r in report["controllers"]:
+        lines.append(
+            f"| `{r['spec']}` | {r['tokens_per_s']:.2f} | {r['speedup_vs_ar']:.3f} | "
+            f"{r['tau']:.2f} | {_num(r['acceptance_rate'], '.3f')} | {r['drafted']} | "
+            f"{r['wasted']} | {r['target_forwards']} | {r['draft_forwards']} | "
+            f"{_num(r['controller_us_per_call'], '.1f')} | {r['mismatches']} |")
+    lines += ["", "## Speedup over AR per category", "",
+              "| controller | " + " | ".join(cats) + " |",
+              "|---|" + "---|" * len(cats),
+              "| AR tok/s | " + " | ".join(
+                  f"{report['ar']['per_category'][c]['tokens_per_s']:.2f}" for c in cats) + " |"]
+    for r in report["controllers"]:
+        lines.append(f"| `{r['spec']}` | " + " | ".join(
+            _num(r["per_category"].get(c, {}).get("speedup_vs_ar"), ".3f") for c in cats) + " |")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_answers(runs: list[Run], folder: Path, name: Callable[[str], str]) -> None:
+    """One Spec-Bench answer file per method (methods.md section 5); AR is ``none.jsonl``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    by_spec: dict[str, list[Run]] = {}
+    for run in runs:
+        by_spec.setdefault(run.spec, []).append(run)
+    for spec, group in by_spec.items():
+        lines = []
+        for run in group:
+            r = run.result
+            lines.append(json.dumps({
+                "question_id": run.question_id, "category": run.category, "model_id": spec,
+                "choices": [{"index": 0, "turns": [run.text], "decoding_steps": [len(r.rounds)],
+                             "new_tokens": [r.new_tokens], "wall_time": [r.wall_s],
+                             "accept_lengths": [len(x.new_tokens) for x in r.rounds]}]}))
+        (folder / f"{name(spec)}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _acceptance_points(runs: list[Run]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(entropy, draft position, accepted) of every verified draft token that was reached."""
+    entropy, position, accepted = [], [], []
+    for run in runs:
+        for rnd in run.result.rounds:
+            for j, record in enumerate(rnd.features[:rnd.drafted]):
+                if j > rnd.n_accepted:  # an earlier token was rejected: never judged
+                    break
+                entropy.append(record.entropy)
+                position.append(record.draft_pos)
+                accepted.append(j < rnd.n_accepted)
+    return np.array(entropy), np.array(position), np.array(accepted, dtype=float)
+
+
+def write_plots(report: dict, runs: list[Run], out: Path) -> list[Path]:
+    """speedup.png, acceptance.png and accepted_lengths.png; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    specs = [r["spec"] for r in report["controllers"]]
+    cats = sorted(report["ar"]["per_category"])
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * (len(cats) + 1) * max(1, len(specs)) / 3), 4))
+    groups = ["overall", *cats]
+    width = 0.8 / max(1, len(specs))
+    for i, r in enumerate(report["controllers"]):
+        values = [r["speedup_vs_ar"]] + [
+            r["per_category"].get(c, {}).get("speedup_vs_ar") or 0 for c in cats]
+        ax.bar(np.arange(len(groups)) + i * width, values, width, label=r["spec"])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, groups, rotation=20)
+    ax.set_ylabel("speedup over AR (tokens/s)")
+    ax.set_title("Speedup per controller and category")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    drafted = [run for run in runs if run.spec != "none"]
+    entropy, position, accepted = _acceptance_points(drafted)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    if len(entropy):
+        edges = np.unique(np.quantile(entropy, np.linspace(0, 1, 11)))
+        which = np.clip(np.digitize(entropy, edges) - 1, 0, max(0, len(edges) - 2))
+        bins = [b for b in range(len(edges) - 1) if (which == b).any()]
+        left.plot([entropy[which == b].mean() for b in bins],
+                  [accepted[which == b].mean() for b in bins], marker="o")
+        positions = np.unique(position)
+        right.plot(positions, [accepted[position == k].mean() for k in positions], marker="o")
+    left.set_xlabel("draft entropy (nats), decile bins")
+    right.set_xlabel("position in the draft")
+    for ax in (left, right):
+        ax.set_ylabel("P(accepted | earlier tokens accepted)")
+        ax.set_ylim(0, 1)
+    fig.suptitle("Acceptance of drafted tokens, all controllers pooled")
+    fig.tight_layout()
+    paths.append(out / "acceptance.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for spec in specs:
+        lengths = [rnd.n_accepted for run in runs if run.spec == spec
+                   for rnd in run.result.rounds]
+        if lengths:
+            counts = np.bincount(lengths)
+            ax.step(np.arange(len(counts)), counts / counts.sum(), where="mid", label=spec)
+    ax.set_xlabel("accepted draft tokens in a round")
+    ax.set_ylabel("share of rounds")
+    ax.set_title("Accepted lengths")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(out / "accepted_lengths.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

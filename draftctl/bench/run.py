@@ -1,0 +1,206 @@
+"""``draftctl bench``: real decoding of every prompt with plain AR decoding and every
+controller, interleaved, with identical-output checks and Spec-Bench metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from draftctl.bench.report import write_answers, write_markdown, write_plots
+from draftctl.config import save_config
+from draftctl.controllers import expand_specs, make_controller
+from draftctl.controllers.rules import ReferenceOracle
+from draftctl.decode import DecodeConfig, SamplingConfig, SpeculativeDecoder, generate
+from draftctl.decode.loop import GenerationResult
+from draftctl.errors import DraftctlError
+from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
+from draftctl.prompts import load_prompts
+
+DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
+
+
+@dataclass
+class BenchConfig:
+    prompts: str | None = None  # JSONL or datasets folder; default: draftctl's prompt set
+    split: str = "test"
+    limit: int | None = None
+    per_category: int | None = None
+    controllers: list[str] = field(default_factory=lambda: list(DEFAULT_CONTROLLERS))
+    target: str = DEFAULT_TARGET
+    draft: str | None = None  # default: the target's shipped draft
+    max_new_tokens: int = 128
+    max_draft: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    plots: bool = True
+    out: str = "runs/bench"
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.max_draft,
+                            sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
+                            seed=self.seed)
+
+
+@dataclass
+class Run:
+    """One prompt decoded with one controller."""
+
+    spec: str
+    question_id: int
+    category: str
+    result: GenerationResult
+    text: str
+    mismatch: bool | None  # None when sampling (outputs legitimately differ)
+
+
+COUNTS = ("new_tokens", "wall_s", "rounds", "drafted", "accepted", "discarded",
+          "target_forwards", "draft_forwards", "controller_s", "controller_calls", "mismatches")
+
+
+def _counts(runs: list[Run]) -> dict:
+    c = dict.fromkeys(COUNTS, 0)
+    for run in runs:
+        r = run.result
+        c["new_tokens"] += r.new_tokens
+        c["wall_s"] += r.wall_s
+        c["rounds"] += len(r.rounds)
+        c["drafted"] += sum(x.drafted for x in r.rounds)
+        c["accepted"] += sum(x.n_accepted for x in r.rounds)
+        c["discarded"] += sum(x.discarded for x in r.rounds)
+        c["target_forwards"] += r.target_forwards
+        c["draft_forwards"] += r.draft_forwards
+        c["controller_s"] += sum(x.controller_time_s for x in r.rounds)
+        c["controller_calls"] += sum(x.controller_calls for x in r.rounds)
+        c["mismatches"] += int(bool(run.mismatch))
+    return c
+
+
+def summarize(runs: list[Run], ar_tokens_per_s: float | None) -> dict:
+    """Spec-Bench metrics over some runs; speedup against the AR rate of the same prompts."""
+    c = _counts(runs)
+    tps = c["new_tokens"] / c["wall_s"] if c["wall_s"] > 0 else float("nan")
+    return {
+        "tokens_per_s": tps,
+        "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
+        "tau": c["new_tokens"] / c["rounds"] if c["rounds"] else 0.0,
+        "acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else None,
+        "new_tokens": c["new_tokens"], "wall_s": c["wall_s"], "rounds": c["rounds"],
+        "drafted": c["drafted"], "accepted": c["accepted"],
+        "wasted": c["drafted"] - c["accepted"], "discarded": c["discarded"],
+        "target_forwards": c["target_forwards"], "draft_forwards": c["draft_forwards"],
+        "controller_us_per_call": 1e6 * c["controller_s"] / c["controller_calls"]
+        if c["controller_calls"] else None,
+        "mismatches": c["mismatches"],
+    }
+
+
+def _by_category(runs: list[Run]) -> dict[str, list[Run]]:
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.category, []).append(run)
+    return groups
+
+
+def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec: str) -> dict:
+    ar_runs = [r for r in runs if r.spec == "none"]
+    ar = summarize(ar_runs, None)
+    ar_by_cat = {cat: summarize(group, None) for cat, group in _by_category(ar_runs).items()}
+    ar["per_category"] = ar_by_cat
+    controllers = []
+    for spec in specs:
+        mine = [r for r in runs if r.spec == spec]
+        row = {"spec": spec, **summarize(mine, ar["tokens_per_s"])}
+        row["per_category"] = {cat: summarize(group, ar_by_cat[cat]["tokens_per_s"])
+                               for cat, group in _by_category(mine).items()}
+        controllers.append(row)
+    greedy = cfg.temperature == 0
+    return {"target": cfg.target, "draft": draft_spec,
+            "prompts": len(ar_runs), "split": cfg.split, "greedy": greedy,
+            "ar": ar, "controllers": controllers,
+            "mismatches": sum(c["mismatches"] for c in controllers) if greedy else None,
+            "config": asdict(cfg)}
+
+
+def answer_name(spec: str) -> str:
+    """A file name for a spec: ``static:4`` -> ``static-4``."""
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", Path(spec).name if spec.startswith("onnx:")
+                  else spec).strip("-") or "controller"
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Decode, compare, and write ``report.json``, ``report.md``, plots and answers."""
+    specs = expand_specs(cfg.controllers)
+    if not specs:
+        raise DraftctlError("no controllers to benchmark: pass --controllers SPEC,...")
+    if len(set(specs)) != len(specs):
+        raise DraftctlError(f"a controller is listed twice in {', '.join(specs)}")
+    decode_config = cfg.decode_config()
+    if "oracle" in specs and not decode_config.sampling.greedy:
+        raise DraftctlError("the oracle needs greedy decoding (temperature 0): under sampling "
+                            "the target's continuation is random")
+    specs = [s for s in specs if s != "none"]
+    controllers = {spec: make_controller(spec) for spec in specs}
+    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit, cfg.per_category)
+    draft_spec = cfg.draft or default_draft(cfg.target)
+    drafting = [s for s, c in controllers.items() if not isinstance(c, ReferenceOracle)
+                and c.max_draft() > 0]
+    if draft_spec is None and (drafting or "oracle" in specs):
+        raise DraftctlError(f"no draft model for {cfg.target!r}: pass --draft SPEC")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "bench.yaml")
+
+    target = load_model(cfg.target, cfg.device, cfg.dtype)
+    draft = load_model(draft_spec, target.device, cfg.dtype, target=target) if draft_spec \
+        else None
+    decoder = SpeculativeDecoder.from_loaded(target, draft, decode_config)
+    encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
+    warm = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=2))
+    warm_controller = make_controller("static:1" if draft is not None else "none")
+    for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):
+        generate(warm, ids, warm_controller)  # per-shape kernel set-up, untimed
+
+    runs: list[Run] = []
+    bar = tqdm(total=len(prompts) * (len(specs) + 1), desc="bench", unit="run",
+               disable=not progress)
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        reference = _run(decoder, target.tokenizer, prompt, ids, "none", make_controller("none"),
+                         None, greedy=decode_config.sampling.greedy)
+        runs.append(reference)
+        bar.update()
+        order = specs[i % len(specs):] + specs[:i % len(specs)]  # rotate: noise hits all alike
+        for spec in order:
+            controller = controllers[spec]
+            if isinstance(controller, ReferenceOracle):
+                controller.set_reference(reference.result.output_ids)
+            runs.append(_run(decoder, target.tokenizer, prompt, ids, spec, controller,
+                             reference.result.output_ids, decode_config.sampling.greedy))
+            bar.update()
+        ar_tps = sum(r.result.new_tokens for r in runs if r.spec == "none") / sum(
+            r.result.wall_s for r in runs if r.spec == "none")
+        bar.set_postfix(ar_tok_s=f"{ar_tps:.1f}")
+    bar.close()
+
+    report = build_report(cfg, specs, runs, draft.spec if draft is not None else "")
+    (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    write_markdown(report, out / "report.md")
+    write_answers(runs, out / "answers", answer_name)
+    if cfg.plots:
+        write_plots(report, runs, out)
+    return report
+
+
+def _run(decoder: SpeculativeDecoder, tokenizer, prompt, ids: list[int], spec: str, controller,
+         reference: list[int] | None, greedy: bool) -> Run:
+    result = generate(decoder, ids, controller)
+    mismatch = (result.output_ids != reference) if greedy and reference is not None else None
+    return Run(spec, prompt.question_id, prompt.task, result,
+               tokenizer.decode(result.output_ids, skip_special_tokens=True), mismatch)
