@@ -120,9 +120,14 @@ def _train(args: argparse.Namespace) -> int:
     from draftctl.train.run import TrainConfig, run_train
 
     cfg = load_config(TrainConfig, args.config, {"traces": args.traces, "kind": args.kind,
-                                                  "out": args.out, "seed": args.seed})
+                                                  "out": args.out, "seed": args.seed,
+                                                  "rule": args.rule})
     report = run_train(cfg)
     s = report["summary"]
+    if s is None:
+        print(f"{cfg.kind}: threshold {report['threshold']:.4f} (chosen on dev); no test "
+              f"prompts in the traces, so no test replay; model: {cfg.out}")
+        return 0
     print(f"{cfg.kind}: threshold {report['threshold']:.4f} (chosen on dev); test replay: "
           f"{s['learned_vs_best_static']:.3f}x best static ({s['best_static']}), "
           f"{s['learned_vs_svip_tuned']:.3f}x SVIP ({s['svip_tuned_on_dev']}); "
@@ -131,8 +136,20 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format != "onnx":
+        from draftctl.export.engines import export_engine, write_engine
+
+        result = export_engine(args.model, args.format)
+        if args.out:
+            write_engine(result, args.out)
+        print(f"{args.format}: {result['value']:.4f}\n  {result['usage']}")
+        for line in result["note"]:
+            print(f"  - {line}")
+        return 0
     from draftctl.export.onnx import export_onnx
 
+    if not args.out:
+        raise DraftctlError("--format onnx needs --out PATH.onnx")
     result = export_onnx(args.model, args.out)
     print(f"wrote {result['out']}: parity on {result['rows']} rows, max |p_onnx - p_native| = "
           f"{result['max_abs_diff']:.2e}")
@@ -246,11 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--kind", choices=("logreg", "hgb", "mlp", "threshold"))
     tr.add_argument("--out")
     tr.add_argument("--seed", type=int)
+    tr.add_argument("--rule", choices=("auto", "top_prob_1", "entropy", "svip"),
+                    help="for --kind threshold: the one feature to threshold (default: auto)")
     tr.set_defaults(func=_train)
 
     ex = sub.add_parser("export", help="write a trained controller as ONNX")
     ex.add_argument("--model", required=True, help="folder written by draftctl train")
-    ex.add_argument("--out", required=True, help="path of the .onnx file")
+    ex.add_argument("--out", help="path of the .onnx file (or of a JSON file for the engine "
+                                  "formats)")
+    ex.add_argument("--format", default="onnx", choices=("onnx", "hf-confidence", "llamacpp-pmin"),
+                    help="onnx (default): the controller for onnx:PATH; hf-confidence / "
+                         "llamacpp-pmin: the value for transformers' "
+                         "assistant_confidence_threshold or llama.cpp's --draft-p-min "
+                         "(threshold models on top-1 probability)")
     ex.set_defaults(func=_export)
     return parser
 

@@ -6,10 +6,13 @@ import numpy as np
 import onnx
 import pytest
 
+from draftctl.cli import main
 from draftctl.collect.run import run_collect
 from draftctl.controllers import make_controller
 from draftctl.controllers.learned import SchemaMismatchError
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.errors import DraftctlError
+from draftctl.export.engines import export_engine
 from draftctl.export.onnx import export_onnx
 from draftctl.models import load_model
 from draftctl.train.data import load_examples
@@ -79,3 +82,32 @@ def test_onnx_model_with_unknown_features_is_refused(pair, traces, tmp_path):  #
     onnx.save(model, str(path))
     with pytest.raises(SchemaMismatchError, match="schema v7"):
         make_controller(f"onnx:{path}")
+
+
+def test_engine_exports_of_a_top1_threshold_model(traces, tmp_path, capsys):
+    run_train(TrainConfig(traces=str(traces), kind="threshold", rule="top_prob_1",
+                          out=str(tmp_path / "t"), grid=6))
+    threshold = json.loads((tmp_path / "t" / "manifest.json").read_text())["threshold"]
+    hf = export_engine(tmp_path / "t", "hf-confidence")
+    assert hf["value"] == threshold and "assistant_confidence_threshold=" in hf["usage"]
+    assert main(["export", "--model", str(tmp_path / "t"), "--format", "llamacpp-pmin",
+                 "--out", str(tmp_path / "pmin.json")]) == 0
+    pmin = json.loads((tmp_path / "pmin.json").read_text())
+    assert 0 <= pmin["value"] <= 0.95 and "re-chosen on the dev traces" in pmin["note"][0]
+    assert "--draft-p-min" in capsys.readouterr().out
+
+
+def test_engine_export_refuses_other_models(traces, tmp_path):
+    run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "l"), grid=4))
+    with pytest.raises(DraftctlError, match="--kind threshold --rule top_prob_1"):
+        export_engine(tmp_path / "l", "hf-confidence")
+
+
+def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811
+    out = tmp_path / "traindev"
+    run_collect(config(pair, out, mode="dense", split="train,dev"))
+    report = run_train(TrainConfig(traces=str(out), kind="logreg", out=str(tmp_path / "m"),
+                                   grid=4))
+    assert report["summary"] is None and report["test_replay"] == []
+    assert report["dev_choices"]["static"].startswith("static:")
+    assert "no test report" in (tmp_path / "m" / "report.md").read_text()

@@ -18,7 +18,7 @@ from draftctl.controllers.learned import ScoreThreshold
 from draftctl.decode.features import SCHEMA_VERSION
 from draftctl.errors import DraftctlError
 from draftctl.train.data import load_examples
-from draftctl.train.fit import KINDS, TorchModel, fit
+from draftctl.train.fit import KINDS, THRESHOLD_RULES, TorchModel, fit
 from draftctl.train.replay import TraceSet, replay
 
 
@@ -29,10 +29,14 @@ class TrainConfig:
     out: str = "runs/controller"
     seed: int = 0
     grid: int = 24  # candidate thresholds (quantiles of the dev predictions)
+    rule: str = "auto"  # threshold kind: top_prob_1, entropy, svip, or auto (best train AUC)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise DraftctlError(f"unknown model kind {self.kind!r}: use {', '.join(KINDS)}")
+        if self.rule not in ("auto", *THRESHOLD_RULES):
+            raise DraftctlError(f"unknown threshold rule {self.rule!r}: use auto, "
+                                f"{', '.join(THRESHOLD_RULES)}")
 
 
 def learned_controller(model, features, threshold: float, spec: str) -> ScoreThreshold:
@@ -70,12 +74,13 @@ def run_train(cfg: TrainConfig) -> dict:
     save_config(cfg, out / "train.yaml")
     examples = load_examples(cfg.traces)
     parts = {s: examples.subset(s) for s in ("train", "dev", "test")}
-    empty = [s for s, part in parts.items() if len(part.y) == 0]
+    empty = [s for s in ("train", "dev") if len(parts[s].y) == 0]
     if empty:
-        raise DraftctlError(f"traces in {cfg.traces} hold no {', '.join(empty)} prompts: "
-                            "collect with --split all")
+        raise DraftctlError(f"traces in {cfg.traces} hold no {' or '.join(empty)} prompts: "
+                            "collect with --split train,dev (fit, threshold) or all (and report)")
     train, dev, test = parts["train"], parts["dev"], parts["test"]
-    model = fit(cfg.kind, train.X, train.y, train.prompt_ids, examples.features, cfg.seed)
+    model = fit(cfg.kind, train.X, train.y, train.prompt_ids, examples.features, cfg.seed,
+                cfg.rule)
     features = examples.features
 
     traces = TraceSet(cfg.traces)
@@ -94,23 +99,13 @@ def run_train(cfg: TrainConfig) -> dict:
                  for t in np.arange(0.05, 0.96, 0.05)}, dev_ids)
 
     k_probe = traces.info["k_probe"]
-    baselines = [*(f"static:{k}" for k in range(1, k_probe + 1)), "heuristic", "confidence",
-                 conf_spec, svip_spec, "oracle"]
+    statics = [f"static:{k}" for k in range(1, k_probe + 1)]
+    static_spec, _ = best_by_speedup(traces, dict(zip(statics, statics)), dev_ids)
+    dev_choices = {"static": static_spec, "svip": svip_spec, "confidence": conf_spec}
+    baselines = [*statics, "heuristic", "confidence", conf_spec, svip_spec, "oracle"]
     learned = learned_controller(model, features, threshold, name)
-    test_results = replay(traces, [learned, *baselines], test_ids)
-    statics = [r for r in test_results if r["spec"].startswith("static:")]
-    best_static = max(statics, key=lambda r: r["modelled_speedup"])
-    by_spec = {r["spec"]: r for r in test_results}
-    ours, svip, oracle = by_spec[name], by_spec[svip_spec], by_spec["oracle"]
-    gap = oracle["modelled_speedup"] - best_static["modelled_speedup"]
-    summary = {
-        "learned_vs_best_static": ours["modelled_speedup"] / best_static["modelled_speedup"],
-        "learned_vs_svip_tuned": ours["modelled_speedup"] / svip["modelled_speedup"],
-        "gap_closed": (ours["modelled_speedup"] - best_static["modelled_speedup"]) / gap
-        if gap > 0 else None,
-        "best_static": best_static["spec"], "svip_tuned_on_dev": svip_spec,
-        "confidence_tuned_on_dev": conf_spec,
-    }
+    test_results = replay(traces, [learned, *baselines], test_ids) if test_ids else []
+    summary = _test_summary(test_results, name, svip_spec) if test_results else None
     cost = traces.info["cost"]
     data_hash = hashlib.sha256()
     for path in shard_files(cfg.traces):
@@ -122,16 +117,34 @@ def run_train(cfg: TrainConfig) -> dict:
         "data_sha256": data_hash.hexdigest(), "target": traces.info["target"],
         "draft": traces.info["draft"], "seed": cfg.seed,
         "metrics": {"train": classification_metrics(model.predict(train.X), train.y),
-                    "test": classification_metrics(model.predict(test.X), test.y)},
-        "dev_replay": dev_best,
+                    "dev": classification_metrics(p_dev, dev.y),
+                    "test": classification_metrics(model.predict(test.X), test.y)
+                    if len(test.y) else None},
+        "dev_replay": dev_best, "dev_choices": dev_choices,
     }
     _save_model(model, cfg.kind, features, out)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     report = {"config": asdict(cfg), "summary": summary, "metrics": manifest["metrics"],
-              "threshold": threshold, "test_replay": test_results}
+              "threshold": threshold, "dev_choices": dev_choices, "test_replay": test_results}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report))
     return report
+
+
+def _test_summary(results: list[dict], name: str, svip_spec: str) -> dict:
+    """The learned controller against the best static K, tuned SVIP and the oracle."""
+    statics = [r for r in results if r["spec"].startswith("static:")]
+    best_static = max(statics, key=lambda r: r["modelled_speedup"])
+    by_spec = {r["spec"]: r for r in results}
+    ours, svip, oracle = by_spec[name], by_spec[svip_spec], by_spec["oracle"]
+    gap = oracle["modelled_speedup"] - best_static["modelled_speedup"]
+    return {
+        "learned_vs_best_static": ours["modelled_speedup"] / best_static["modelled_speedup"],
+        "learned_vs_svip_tuned": ours["modelled_speedup"] / svip["modelled_speedup"],
+        "gap_closed": (ours["modelled_speedup"] - best_static["modelled_speedup"]) / gap
+        if gap > 0 else None,
+        "best_static": best_static["spec"], "svip_tuned_on_dev": svip_spec,
+    }
 
 
 def _save_model(model, kind: str, features, out: Path) -> None:
@@ -160,11 +173,15 @@ def load_model_dir(folder: str | Path):
 
 
 def _markdown(report: dict) -> str:
-    s = report["summary"]
+    s, choices = report["summary"], report["dev_choices"]
     lines = [f"# Controller report: {report['config']['kind']}", "",
              f"Threshold (chosen on dev by modelled speedup): {report['threshold']:.4f}", "",
-             (f"- test AUC {report['metrics']['test']['auc']}, Brier "
-             f"{report['metrics']['test']['brier']:.4f}"),
+             (f"Chosen on dev: {choices['static']}, {choices['svip']}, "
+              f"{choices['confidence']}"), ""]
+    if s is None:
+        return "\n".join([*lines, "No test prompts in the traces: no test report."]) + "\n"
+    test = report["metrics"]["test"]
+    lines += [f"- test AUC {test['auc']}, Brier {test['brier']:.4f}",
              f"- learned / best static ({s['best_static']}): {s['learned_vs_best_static']:.3f}",
              (f"- learned / SVIP tuned on dev ({s['svip_tuned_on_dev']}): "
              f"{s['learned_vs_svip_tuned']:.3f}"),
