@@ -10,7 +10,7 @@ from draftctl import __version__
 from draftctl.config import load_config
 from draftctl.controllers import describe, expand_specs
 from draftctl.errors import DraftctlError
-from draftctl.jobs import DecodeJob, DemoJob, format_table, quick_demo, run_decode, run_demo
+from draftctl.jobs import DecodeJob, DemoJob, quick_demo, run_decode, run_demo
 from draftctl.models import default_draft
 
 
@@ -36,19 +36,25 @@ def _decode(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from draftctl.bench.report import format_table
+
     job = quick_demo() if args.quick else DemoJob()
-    for key in ("prompts", "split", "limit", "max_new_tokens", "device", "out"):
+    for key in ("prompts", "collect_per_category", "bench_per_category", "max_new_tokens",
+                "device", "out"):
         if getattr(args, key) is not None:
             setattr(job, key, getattr(args, key))
-    report = run_demo(job)
-    print(f"\n{job.target} with draft {report['draft']}, {report['prompts']} {job.split} prompts, "
-          f"greedy, {job.max_new_tokens} new tokens each")
-    print(format_table(report["controllers"]))
-    print(f"\nreport: {job.out}/report.json")
-    if "+noise" in report["draft"]:
-        print("note: the stand-in draft costs as much as the target, so speedups are below 1; "
-              "tau and acceptance are real.")
-    return 1 if any(r["mismatches"] for r in report["controllers"]) else 0
+    summary = run_demo(job)
+    bench = summary["bench"]
+    print(f"\n{bench['target']} with draft {bench['draft']}, {bench['prompts']} test prompts, "
+          f"greedy, {job.max_new_tokens} new tokens each; chosen on dev: "
+          f"{', '.join(summary['dev_choices'].values())}")
+    print(format_table(bench))
+    print(f"\nreport: {summary['report']} (plots and answers next to it)")
+    if bench["mismatches"]:
+        print(f"draftctl demo: {bench['mismatches']} outputs differ from plain greedy decoding",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def _distill(args: argparse.Namespace) -> int:
@@ -186,10 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     dec.set_defaults(func=_decode)
 
     demo = sub.add_parser("demo", help="the whole toolkit on the built-in model, offline")
-    demo.add_argument("--quick", action="store_true", help="2 prompts, 32 tokens, 3 controllers")
+    demo.add_argument("--quick", action="store_true",
+                      help="the same stages on 5 + 2 prompts and 24 new tokens (about 2 min)")
     demo.add_argument("--prompts", help="JSONL prompt file (default: draftctl's own set)")
-    demo.add_argument("--split", choices=("train", "dev", "test", "all"))
-    demo.add_argument("--limit", type=int)
+    demo.add_argument("--collect-per-category", type=int,
+                      help="train+dev prompts per category to collect traces on (default 12)")
+    demo.add_argument("--bench-per-category", type=int,
+                      help="test prompts per category to bench on (default 3)")
     demo.add_argument("--max-new-tokens", type=int)
     demo.add_argument("--device")
     demo.add_argument("--out", help="output folder (default runs/demo)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -18,15 +18,7 @@ from draftctl.decode import (
     generate,
 )
 from draftctl.errors import DraftctlError
-from draftctl.models import (
-    DEFAULT_TARGET,
-    LoadedModel,
-    default_draft,
-    encode_prompt,
-    load_model,
-    perturbed_copy,
-)
-from draftctl.prompts import load_prompts
+from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 
 
 class JobError(DraftctlError):
@@ -75,97 +67,80 @@ def run_decode(job: DecodeJob) -> tuple[GenerationResult, str]:
     return result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
 
 
-DEMO_CONTROLLERS = ("static:2", "static:4", "heuristic", "confidence", "pmin", "svip", "adaedl")
-
-
 @dataclass
 class DemoJob:
-    """End-to-end run on the built-in target: plain decoding vs every controller.
+    """The whole toolkit on the built-in pair, offline: collect dense traces on the train and
+    dev prompts, train learned controllers, export them to ONNX, then ``bench`` them on the
+    test prompts against the best static K, heuristic, confidence and SVIP (the last three
+    values chosen on dev by replay), and the oracle."""
 
-    The draft is the target's shipped distilled draft. Where there is none, it is a stand-in:
-    a copy of the target with 2% multiplicative weight noise, which shares the vocabulary and
-    agrees partly with the target but costs as much as the target (losslessness and
-    acceptance, not speed).
-    """
-
-    prompts: str | None = None
-    split: str = "test"
-    limit: int = 8
+    prompts: str | None = None  # default: draftctl's own prompt set
+    collect_per_category: int | None = 12
+    collect_limit: int | None = None
+    bench_per_category: int | None = 3
+    bench_limit: int | None = None
     max_new_tokens: int = 96
-    controllers: list[str] = field(default_factory=lambda: list(DEMO_CONTROLLERS))
+    k_probe: int = 8
+    kinds: list[str] = field(default_factory=lambda: ["logreg", "mlp"])
     target: str = DEFAULT_TARGET
-    noise: float = 0.02
+    device: str = "cpu"
     seed: int = 0
-    device: str = "auto"
     out: str = "runs/demo"
 
 
 def quick_demo() -> DemoJob:
-    return DemoJob(limit=2, max_new_tokens=32, controllers=["static:4", "heuristic", "svip"])
+    return DemoJob(collect_per_category=None, collect_limit=5, bench_per_category=None,
+                   bench_limit=2, max_new_tokens=24, k_probe=6)
 
 
 def run_demo(job: DemoJob) -> dict:
-    """Decode each prompt with ``none`` and every controller, check outputs are identical
-    (greedy is lossless), and write ``report.json``. Returns the report."""
-    controllers = [make_controller(spec) for spec in ["none", *job.controllers]]
-    prompts = load_prompts(job.prompts, job.split, job.limit)
+    """Run the four stages into ``job.out``; returns the bench report plus what was chosen."""
+    from draftctl.bench.run import BenchConfig, run_bench
+    from draftctl.collect.run import CollectConfig, run_collect
+    from draftctl.export.onnx import export_onnx
+    from draftctl.train.run import TrainConfig, run_train
+
+    if default_draft(job.target) is None:
+        raise JobError(f"the demo runs the built-in pair; {job.target!r} has no shipped draft")
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(job, out / "config.yaml")
-    target = load_model(job.target, job.device)
-    draft_spec = default_draft(job.target)
-    if draft_spec is not None:
-        draft = load_model(draft_spec, target.device, target=target)
-    else:
-        draft = LoadedModel(f"{job.target}+noise{job.noise}",
-                            perturbed_copy(target.model, job.noise, 1), target.tokenizer,
-                            target.device, target.dtype)
-    decoder = SpeculativeDecoder.from_loaded(
-        target, draft, DecodeConfig(max_new_tokens=job.max_new_tokens, seed=job.seed))
-    encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
-    # Warm-up: CPU kernels are set up per input shape on first use, so each prompt's prefill
-    # runs once, untimed, through both models before any timed run sees it.
-    warm = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=2))
-    for ids in encoded:
-        generate(warm, ids, make_controller("static:1"))
+    save_config(job, out / "demo.yaml")
+    stages = 3 + len(job.kinds)
 
-    totals = {c.spec: {"new_tokens": 0, "wall_s": 0.0, "rounds": 0, "drafted": 0, "accepted": 0,
-                       "mismatches": 0} for c in controllers}
-    bar = tqdm(total=len(prompts) * len(controllers), desc="demo", unit="run")
-    for ids in encoded:
-        reference = None
-        for controller in controllers:  # interleaved, so machine noise hits all alike
-            result = generate(decoder, ids, controller)
-            reference = reference if reference is not None else result.output_ids
-            row = totals[controller.spec]
-            row["new_tokens"] += result.new_tokens
-            row["wall_s"] += result.wall_s
-            row["rounds"] += len(result.rounds)
-            row["drafted"] += sum(r.drafted for r in result.rounds)
-            row["accepted"] += sum(r.n_accepted for r in result.rounds)
-            row["mismatches"] += int(result.output_ids != reference)
-            bar.update()
-    bar.close()
-    ar_tps = totals["none"]["new_tokens"] / totals["none"]["wall_s"]
-    rows = []
-    for spec, row in totals.items():
-        tps = row["new_tokens"] / row["wall_s"]
-        rows.append({"spec": spec, "tokens_per_s": tps, "speedup_vs_ar": tps / ar_tps,
-                     "tau": row["new_tokens"] / row["rounds"],
-                     "acceptance_rate": row["accepted"] / row["drafted"] if row["drafted"] else None,
-                     **row})
-    report = {"target": job.target, "draft": draft.spec, "prompts": len(prompts),
-              "split": job.split, "config": asdict(job), "controllers": rows}
-    (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    return report
+    _stage(1, stages, "collect dense traces on the train and dev prompts")
+    traces = out / "traces"
+    run_collect(CollectConfig(
+        target=job.target, prompts=job.prompts, split="train,dev", limit=job.collect_limit,
+        per_category=job.collect_per_category, mode="dense", k_probe=job.k_probe,
+        max_new_tokens=job.max_new_tokens, seed=job.seed, device=job.device, out=str(traces)))
+
+    learned, trained = [], {}
+    for i, kind in enumerate(job.kinds):
+        _stage(2 + i, stages, f"train {kind}, choose its threshold on dev, export to ONNX")
+        folder = out / "controllers" / kind
+        report = run_train(TrainConfig(traces=str(traces), kind=kind, out=str(folder),
+                                       seed=job.seed))
+        onnx_path = out / "controllers" / f"{kind}.onnx"
+        export_onnx(folder, onnx_path)
+        learned.append(f"onnx:{onnx_path}")
+        trained[kind] = {"threshold": report["threshold"], "onnx": str(onnx_path),
+                         "dev_replay": report["dev_choices"]}
+    choices = report["dev_choices"]
+
+    _stage(stages - 1, stages, "bench on the test prompts: AR, baselines, oracle, learned")
+    controllers = [choices["static"], "heuristic", choices["confidence"], choices["svip"],
+                   "oracle", *learned]
+    bench = run_bench(BenchConfig(
+        prompts=job.prompts, split="test", limit=job.bench_limit,
+        per_category=job.bench_per_category, controllers=controllers, target=job.target,
+        max_new_tokens=job.max_new_tokens, max_draft=job.k_probe, seed=job.seed,
+        device=job.device, out=str(out / "bench")))
+    _stage(stages, stages, "done")
+    summary = {"bench": bench, "dev_choices": choices, "trained": trained,
+               "report": str(out / "bench" / "report.md")}
+    (out / "demo.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    return summary
 
 
-def format_table(rows: list[dict]) -> str:
-    """A fixed-width table of the demo's per-controller rows."""
-    head = f"{'controller':<14}{'tok/s':>8}{'vs AR':>8}{'tau':>7}{'accept':>8}{'mismatch':>10}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
-        lines.append(f"{r['spec']:<14}{r['tokens_per_s']:>8.1f}{r['speedup_vs_ar']:>8.2f}"
-                     f"{r['tau']:>7.2f}{acc:>8}{r['mismatches']:>10}")
-    return "\n".join(lines)
+def _stage(i: int, n: int, what: str) -> None:
+    tqdm.write(f"[demo {i}/{n}] {what}")

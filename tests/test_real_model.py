@@ -57,11 +57,16 @@ def test_greedy_speculative_decoding_is_lossless_on_the_real_model(real_pair):
 def test_demo_quick_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out), "--device", "cpu"]) == 0
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads((out / "bench" / "report.json").read_text())
     specs = [row["spec"] for row in report["controllers"]]
-    assert specs == ["none", "static:4", "heuristic", "svip"]
-    assert all(row["mismatches"] == 0 for row in report["controllers"])
-    assert "static:4" in capsys.readouterr().out
+    assert specs[1:5] == ["heuristic"] + specs[2:4] + ["oracle"]
+    assert specs[0].startswith("static:") and specs[3].startswith("svip:")
+    assert [s for s in specs if s.startswith("onnx:")] == [
+        f"onnx:{out / 'controllers' / kind}.onnx" for kind in ("logreg", "mlp")]
+    assert report["mismatches"] == 0 and report["prompts"] == 2
+    assert (out / "traces" / "run.json").is_file() and (out / "bench" / "speedup.png").is_file()
+    printed = capsys.readouterr().out
+    assert "oracle" in printed and "report:" in printed
 
 
 def test_shipped_draft_is_lossless_with_the_builtin_target(smollm2):
