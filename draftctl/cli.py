@@ -16,12 +16,13 @@ from draftctl.models import default_draft
 
 def _decode(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
-        "prompt", "target", "draft", "controller", "max_new_tokens", "max_draft", "temperature",
+        "prompt", "target", "draft", "drafter", "controller", "max_new_tokens", "max_draft", "temperature",
         "top_k", "top_p", "seed", "device", "dtype")}
     if args.raw:
         overrides["chat"] = False
     job = load_config(DecodeJob, args.config, overrides)
-    if args.controller is None and job.draft is None and default_draft(job.target) is None:
+    if args.controller is None and job.draft is None and job.drafter is None \
+            and default_draft(job.target) is None:
         job.controller = "none"  # no draft model at hand: plain decoding
     result, text = run_decode(job)
     if args.json:
@@ -102,7 +103,8 @@ def _bench(args: argparse.Namespace) -> int:
     from draftctl.bench.report import format_table
     from draftctl.bench.run import BenchConfig, run_bench
 
-    keys = ("prompts", "split", "limit", "per_category", "target", "draft", "max_new_tokens",
+    keys = ("prompts", "split", "limit", "per_category", "target", "draft", "drafter",
+            "max_new_tokens",
             "max_draft", "temperature", "top_k", "top_p", "seed", "device", "dtype", "out")
     overrides = {k: getattr(args, k) for k in keys}
     if args.controllers is not None:
@@ -119,6 +121,19 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"draftctl bench: {report['mismatches']} outputs differ from plain greedy "
               "decoding: a lossless decoder must not do that", file=sys.stderr)
         return 1
+    return 0
+
+
+def _datastore(args: argparse.Namespace) -> int:
+    from draftctl.models import load_tokenizer
+    from draftctl.retrieval.datastore import build_datastore
+
+    if args.action != "build":
+        raise DraftctlError(f"unknown datastore action {args.action!r}: use build")
+    manifest = build_datastore(load_tokenizer(args.target), args.out, args.corpus or (),
+                               args.dataset, tokenizer_spec=args.target)
+    print(f"datastore {args.out}: {manifest['tokens']:,} tokens from {manifest['documents']:,} "
+          f"documents; use it with --drafter rest:{args.out}")
     return 0
 
 
@@ -177,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--target", help="target model: built-in name, .gguf, folder or hub id "
                                       "(default smollm2-135m-instruct)")
     dec.add_argument("--draft", help="draft model spec; must share the target's tokenizer")
+    dec.add_argument("--drafter", help="rest:DIR: draft from a datastore (draftctl datastore "
+                                       "build) instead of a draft model; greedy, none or static:K")
     dec.add_argument("--controller", help="draft-length policy (default static:4 with a draft, "
                                           "none without)")
     dec.add_argument("--max-new-tokens", type=int)
@@ -254,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "confidence,pmin,svip,oracle)")
     be.add_argument("--target")
     be.add_argument("--draft")
+    be.add_argument("--drafter", help="rest:DIR: retrieval drafts from a datastore (controllers "
+                                      "none and static:K, K = trie depth)")
     be.add_argument("--max-new-tokens", type=int)
     be.add_argument("--max-draft", type=int)
     be.add_argument("--temperature", type=float)
@@ -265,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-plots", action="store_true")
     be.add_argument("--out", help="output folder (default runs/bench)")
     be.set_defaults(func=_bench)
+
+    ds = sub.add_parser("datastore", help="build a REST datastore (suffix array over a corpus)")
+    ds.add_argument("action", choices=("build",))
+    ds.add_argument("--target", default="smollm2-135m-instruct",
+                    help="model spec whose tokenizer the datastore uses")
+    ds.add_argument("--corpus", nargs="*", help="files, folders (their text files) or stdlib "
+                                                "(the Python standard library's sources)")
+    ds.add_argument("--dataset", help="a saved datasets folder with a text column")
+    ds.add_argument("--out", required=True, help="datastore folder")
+    ds.set_defaults(func=_datastore)
 
     tr = sub.add_parser("train", help="fit an acceptance model and choose its stop threshold")
     tr.add_argument("--config")

@@ -19,6 +19,7 @@ from draftctl.decode import (
 )
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
+from draftctl.retrieval import is_retrieval, retrieval_decoder
 
 
 class JobError(DraftctlError):
@@ -30,6 +31,7 @@ class DecodeJob:
     prompt: str = ""
     target: str = DEFAULT_TARGET
     draft: str | None = None
+    drafter: str | None = None  # rest:DIR drafts from a datastore instead of a draft model
     controller: str = "static:4"
     max_new_tokens: int = 128
     max_draft: int = 16
@@ -53,6 +55,14 @@ def run_decode(job: DecodeJob) -> tuple[GenerationResult, str]:
     controller = make_controller(job.controller)
     if not job.prompt.strip():
         raise JobError("the prompt is empty: pass --prompt TEXT")
+    if is_retrieval(job.drafter):
+        target = load_model(job.target, job.device, job.dtype)
+        decoder = retrieval_decoder(target, job.drafter, config)
+        result = generate(decoder, encode_prompt(target.tokenizer, job.prompt, chat=job.chat),
+                          controller)
+        return result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    if job.drafter is not None:
+        raise JobError(f"unknown drafter {job.drafter!r}: use rest:DIR (or --draft for a model)")
     draft_spec = job.draft or default_draft(job.target)
     if controller.max_draft() > 0 and draft_spec is None:
         raise JobError(f"controller {job.controller!r} drafts tokens, so it needs a draft "

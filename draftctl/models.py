@@ -177,6 +177,17 @@ def load_model(spec: str, device: str | torch.device = "auto",
                        dtype=torch_dtype)
 
 
+def load_tokenizer(spec: str):
+    """Only the tokenizer a model spec names (no weights are loaded)."""
+    from transformers import AutoTokenizer
+
+    source, kwargs = _source(spec)
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise ModelSpecError(f"cannot load the tokenizer of {spec!r}: {err}") from err
+
+
 def _load_distilled(spec: str, folder: Path, device: torch.device, dtype: torch.dtype,
                     target: LoadedModel | None) -> LoadedModel:
     from transformers import AutoTokenizer

@@ -73,3 +73,26 @@ def test_bench_refuses_bad_requests(pair, tmp_path):  # noqa: F811
         run_bench(BenchConfig(**base, controllers=["oracle"], temperature=0.8))
     with pytest.raises(Exception, match="listed twice"):
         run_bench(BenchConfig(**base, controllers=["static:2", "static:1-3"]))
+
+
+def test_bench_and_decode_with_a_rest_datastore(pair, tmp_path, capsys):  # noqa: F811
+    target = pair[0]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(f"w{(i * 7 + j) % 90}" for j in range(40))
+                                for i in range(30)))
+    assert main(["datastore", "build", "--target", target, "--corpus", str(corpus),
+                 "--out", str(tmp_path / "ds")]) == 0
+    drafter = f"rest:{tmp_path / 'ds'}"
+    out = tmp_path / "rest"
+    assert main(bench_args(pair, out, "--controllers", "static:10,static:2", "--drafter",
+                           drafter, "--no-plots")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["draft"] == drafter and report["mismatches"] == 0
+    assert [c["spec"] for c in report["controllers"]] == ["static:10", "static:2"]
+    assert main(bench_args(pair, tmp_path / "x", "--controllers", "svip", "--drafter",
+                           drafter)) == 2
+    assert "do not apply to retrieval" in capsys.readouterr().err
+    assert main(["decode", "--target", target, "--drafter", drafter, "--controller", "static:5",
+                 "--prompt", "w1 w8 w15", "--max-new-tokens", "8", "--device", "cpu",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["new_tokens"] == 8

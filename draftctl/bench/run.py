@@ -13,12 +13,13 @@ from tqdm import tqdm
 from draftctl.bench.report import write_answers, write_markdown, write_plots
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller
-from draftctl.controllers.rules import ReferenceOracle
+from draftctl.controllers.rules import NoDraft, ReferenceOracle, Static
 from draftctl.decode import DecodeConfig, SamplingConfig, SpeculativeDecoder, generate
 from draftctl.decode.loop import GenerationResult
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.prompts import load_prompts
+from draftctl.retrieval import is_retrieval, retrieval_decoder
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
 
@@ -32,6 +33,7 @@ class BenchConfig:
     controllers: list[str] = field(default_factory=lambda: list(DEFAULT_CONTROLLERS))
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
+    drafter: str | None = None  # rest:DIR: retrieval drafts from a datastore, no draft model
     max_new_tokens: int = 128
     max_draft: int = 16
     temperature: float = 0.0
@@ -149,10 +151,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     specs = [s for s in specs if s != "none"]
     controllers = {spec: make_controller(spec) for spec in specs}
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit, cfg.per_category)
-    draft_spec = cfg.draft or default_draft(cfg.target)
+    retrieval = is_retrieval(cfg.drafter)
+    if cfg.drafter is not None and not retrieval:
+        raise DraftctlError(f"unknown drafter {cfg.drafter!r}: use rest:DIR (or --draft)")
+    draft_spec = None if retrieval else cfg.draft or default_draft(cfg.target)
+    unfit = [s for s, c in controllers.items() if not isinstance(c, NoDraft | Static)]
+    if retrieval and unfit:
+        raise DraftctlError(f"controller(s) {', '.join(unfit)} do not apply to retrieval "
+                            "drafts: use none or static:K (K caps the depth of the trie)")
     drafting = [s for s, c in controllers.items() if not isinstance(c, ReferenceOracle)
                 and c.max_draft() > 0]
-    if draft_spec is None and (drafting or "oracle" in specs):
+    if not retrieval and draft_spec is None and (drafting or "oracle" in specs):
         raise DraftctlError(f"no draft model for {cfg.target!r}: pass --draft SPEC")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,10 +170,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     target = load_model(cfg.target, cfg.device, cfg.dtype)
     draft = load_model(draft_spec, target.device, cfg.dtype, target=target) if draft_spec \
         else None
-    decoder = SpeculativeDecoder.from_loaded(target, draft, decode_config)
+    if retrieval:
+        decoder = retrieval_decoder(target, cfg.drafter, decode_config)
+        warm = retrieval_decoder(target, cfg.drafter, DecodeConfig(max_new_tokens=2))
+    else:
+        decoder = SpeculativeDecoder.from_loaded(target, draft, decode_config)
+        warm = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=2))
     encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
-    warm = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=2))
-    warm_controller = make_controller("static:1" if draft is not None else "none")
+    warm_controller = make_controller("static:1" if draft is not None or retrieval else "none")
     for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):
         generate(warm, ids, warm_controller)  # per-shape kernel set-up, untimed
 
@@ -189,7 +202,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         bar.set_postfix(ar_tok_s=f"{ar_tps:.1f}")
     bar.close()
 
-    report = build_report(cfg, specs, runs, draft.spec if draft is not None else "")
+    report = build_report(cfg, specs, runs,
+                          cfg.drafter if retrieval else draft.spec if draft is not None else "")
     (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     write_markdown(report, out / "report.md")
     write_answers(runs, out / "answers", answer_name)

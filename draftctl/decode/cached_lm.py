@@ -58,6 +58,16 @@ class CachedLM:
         self.forwards += 1
         return out.logits[0, :, : self.vocab_size]
 
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Keep the first ``start`` cached positions, then the positions ``start + offsets``
+        in that order (a verified tree path); drop the rest."""
+        index = torch.cat([torch.arange(start), start + torch.tensor(offsets, dtype=torch.long)])
+        for layer in self.cache.layers:
+            index = index.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+        self._length = len(index)
+
     def truncate(self, length: int) -> None:
         """Drop cached positions ``length`` and beyond (no-op if the cache is shorter)."""
         if length < self._length:

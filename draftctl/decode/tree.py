@@ -1,0 +1,141 @@
+"""Greedy decoding with retrieval (REST) drafts: a trie of candidates verified in one target
+pass under a tree attention mask.
+
+Each round: look up the context in the datastore (``Retriever``), feed the last token and every
+trie node to the target at once, each node attending to the cached sequence, the last token
+and its own ancestors, at position ``len(seq) - 1 + depth``. Walking from the root, a node is
+accepted while its token is the target's argmax after its parent; the argmax after the last
+accepted node is the bonus token. Only the accepted path's keys and values stay in the cache.
+The output is token-identical to plain greedy decoding. Sampling is refused: a lossless
+multi-candidate rule for trie drafts is not implemented.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from draftctl.controllers.base import Controller
+from draftctl.controllers.rules import NoDraft, Static
+from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.loop import DecodeConfig, RoundRecord, SpeculativeDecoder
+from draftctl.errors import DecodeInputError
+from draftctl.models import LoadedModel
+from draftctl.retrieval.retriever import Candidates, Retriever
+
+
+def tree_pattern(parents: np.ndarray) -> torch.Tensor:
+    """(n + 1, n + 1) bool: row i may attend to column j. Index 0 is the root (the last
+    sequence token), node k is index k + 1; parents are given before children."""
+    n = len(parents)
+    allowed = torch.eye(n + 1, dtype=torch.bool)
+    allowed[:, 0] = True
+    for k, parent in enumerate(parents.tolist()):
+        allowed[k + 1] |= allowed[parent + 1]
+    return allowed
+
+
+def accepted_path(tokens: np.ndarray, parents: np.ndarray, argmax: list[int]) -> list[int]:
+    """Greedy walk: node indices accepted from the root, given the target's argmax at the
+    root (``argmax[0]``) and after each node (``argmax[k + 1]``)."""
+    children: dict[int, dict[int, int]] = {}
+    for k, (token, parent) in enumerate(zip(tokens.tolist(), parents.tolist())):
+        children.setdefault(parent, {})[token] = k
+    path, node = [], -1
+    while (child := children.get(node, {}).get(argmax[node + 1])) is not None:
+        path.append(child)
+        node = child
+    return path
+
+
+class RetrievalDecoder:
+    """Batch-size-1 greedy decoder whose drafts come from a ``Retriever``.
+
+    Controllers: ``none`` and ``static:K`` (K caps the trie depth); feature-reading
+    controllers need a draft model's distributions, which retrieval does not give.
+    """
+
+    drafter = None
+
+    def __init__(self, target: torch.nn.Module, retriever: Retriever, *, vocab_size: int,
+                 eos_ids: Sequence[int], context_length: int, config: DecodeConfig | None = None):
+        self.config = config or DecodeConfig()
+        if not self.config.sampling.greedy:
+            raise DecodeInputError(
+                "retrieval drafting verifies a trie of candidates, and draftctl has no lossless "
+                "multi-candidate sampling rule for it: use greedy decoding (temperature 0)")
+        self.target = CachedLM(target, vocab_size)
+        self.retriever = retriever
+        self.vocab_size = vocab_size
+        self.eos_ids = frozenset(eos_ids)
+        self.context_length = context_length
+        self.device = next(target.parameters()).device
+
+    @classmethod
+    def from_loaded(cls, target: LoadedModel, retriever: Retriever,
+                    config: DecodeConfig | None = None) -> RetrievalDecoder:
+        return cls(target.model, retriever, vocab_size=len(target.tokenizer),
+                   eos_ids=target.eos_token_ids, context_length=target.context_length,
+                   config=config)
+
+    check_prompt = SpeculativeDecoder.check_prompt
+
+    def rounds(self, prompt_ids: Sequence[int], controller: Controller,
+               seed: int | None = None) -> Iterator[RoundRecord]:
+        if not isinstance(controller, NoDraft | Static):
+            raise DecodeInputError(
+                f"controller {controller.spec or controller!r} does not apply to retrieval "
+                "drafts: use none or static:K (K caps the depth of the candidate trie)")
+        self.check_prompt(prompt_ids)
+        cfg = self.config
+        seq = list(prompt_ids)
+        self.target.reset()
+        controller.reset()
+        if len(seq) > 1:
+            self.target.forward(torch.tensor(seq[:-1], device=self.device), last_only=True)
+        produced, index = 0, 0
+        while produced < cfg.max_new_tokens and len(seq) < self.context_length:
+            budget = min(controller.max_draft(), cfg.max_draft,
+                         cfg.max_new_tokens - produced - 1, self.context_length - len(seq) - 1)
+            trie = self.retriever.lookup(seq, max_depth=budget) if budget > 0 \
+                else Candidates.empty()
+            start = time.perf_counter()
+            path, bonus = self._verify(seq, trie)
+            verify_s = time.perf_counter() - start
+            new = [int(t) for t in trie.tokens[path]] + [bonus]
+            eos_at = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+            if eos_at is not None:
+                new = new[: eos_at + 1]
+            on_path = set(path)
+            yield RoundRecord(
+                index=index, draft_tokens=trie.tokens.tolist(), features=[],
+                n_accepted=len(path),
+                accept_prob=[float(k in on_path) for k in range(len(trie))], beta=[],
+                target_argmax=[], new_tokens=new, discarded=0, draft_forwards=0,
+                draft_time_s=trie.lookup_s, verify_time_s=verify_s, controller_time_s=0.0,
+                controller_calls=0)
+            controller.observe([], len(path))
+            seq += new
+            produced += len(new)
+            index += 1
+            if eos_at is not None:
+                return
+
+    def _verify(self, seq: list[int], trie: Candidates) -> tuple[list[int], int]:
+        """One target pass over the last token and the trie; keeps the accepted path's cache
+        entries. Returns the accepted node indices and the bonus token."""
+        cached = len(seq) - 1
+        last = torch.tensor([seq[-1]], device=self.device)
+        if len(trie) == 0:
+            return [], int(self.target.forward(last, last_only=True)[0].argmax())
+        tokens = torch.cat([last, torch.as_tensor(trie.tokens, device=self.device)])
+        positions = cached + torch.as_tensor(np.r_[0, trie.depths], device=self.device)
+        allowed = torch.cat([torch.ones(len(tokens), cached, dtype=torch.bool),
+                             tree_pattern(trie.parents)], dim=1).to(self.device)
+        argmax = self.target.forward_masked(tokens, positions, allowed).argmax(dim=-1).tolist()
+        path = accepted_path(trie.tokens, trie.parents, argmax)
+        self.target.keep(cached, [0] + [k + 1 for k in path])
+        return path, argmax[path[-1] + 1 if path else 0]

@@ -1,0 +1,125 @@
+"""REST: suffix-array lookup, trie, tree verification, greedy exactness."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from draftctl.controllers import make_controller
+from draftctl.decode import DecodeInputError, generate
+from draftctl.decode.tree import RetrievalDecoder, accepted_path, tree_pattern
+from draftctl.retrieval.datastore import SEPARATOR, Datastore, DatastoreError, write_datastore
+from draftctl.retrieval.retriever import RetrievalConfig, Retriever, build_trie
+from tests.conftest import make_decoder
+from tests.test_models import word_tokenizer
+
+
+def store(tmp_path, tokens, name="ds"):
+    manifest = {"tokenizer": "test", "tokenizer_sha256": "x"}
+    write_datastore(np.asarray(tokens, dtype=np.uint32), tmp_path / name, manifest)
+    return Datastore(tmp_path / name)
+
+
+def test_suffix_array_lookup_matches_brute_force(tmp_path):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 6, size=3000)
+    tokens[[500, 1700]] = SEPARATOR
+    data = store(tmp_path, tokens)
+    for _ in range(200):
+        length = int(rng.integers(1, 6))
+        start = int(rng.integers(0, len(tokens) - length))
+        pattern = tokens[start:start + length] if rng.random() < 0.7 \
+            else rng.integers(0, 6, size=length)
+        lo, hi = data.find(pattern)
+        where = sorted(int(data.suffix_array[i]) for i in range(lo, hi))
+        brute = [i for i in range(len(tokens) - length + 1)
+                 if np.array_equal(tokens[i:i + length], pattern)]
+        assert where == brute
+
+
+def test_trie_counts_prefixes_and_keeps_parents_first():
+    rows = np.array([[1, 2, 3], [1, 2, 4], [1, 2, 3], [5, -1, -1], [1, 7, -1]])
+    trie = build_trie(rows, max_nodes=4)
+    nodes = {}
+    for k in range(len(trie)):
+        prefix = (nodes[int(trie.parents[k])] if trie.parents[k] >= 0 else ()) + (
+            int(trie.tokens[k]),)
+        nodes[k] = prefix
+        brute = sum(tuple(r[:len(prefix)]) == prefix for r in rows.tolist())
+        assert trie.counts[k] == brute and trie.depths[k] == len(prefix)
+        assert trie.parents[k] < k
+    assert [nodes[k] for k in range(len(trie))] == [(1,), (1, 2), (1, 2, 3), (5,)]
+
+
+def test_tree_mask_and_accepted_path_on_a_hand_built_trie():
+    # root -> a(10) -> b(11); root -> c(12) -> d(13)
+    parents = np.array([-1, 0, -1, 2])
+    allowed = tree_pattern(parents)
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0],
+                           [1, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(allowed, expect)
+    tokens = np.array([10, 11, 12, 13])
+    # argmax after root, a, b, c, d
+    assert accepted_path(tokens, parents, [12, 0, 0, 13, 99]) == [2, 3]
+    assert accepted_path(tokens, parents, [10, 5, 0, 0, 0]) == [0]
+    assert accepted_path(tokens, parents, [77, 0, 0, 0, 0]) == []
+
+
+def test_greedy_rest_output_equals_plain_decoding(tiny_models, tmp_path):
+    target, _ = tiny_models
+    plain = make_decoder(target, None, max_new_tokens=30)
+    prompts = [[5, 6, 7, 8, 9], [40, 2, 2, 17, 88, 3], [1, 2]]
+    outputs = [generate(plain, p, make_controller("none")).output_ids for p in prompts]
+    rng = np.random.default_rng(1)
+    corpus = []
+    for p, out in zip(prompts, outputs):  # the right continuations, and noisy ones
+        corpus += [*p, *out, SEPARATOR, *p, *rng.integers(0, 97, 10), SEPARATOR]
+    corpus += list(rng.integers(0, 97, 2000))
+    retriever = Retriever(store(tmp_path, corpus), RetrievalConfig(max_nodes=16))
+    decoder = RetrievalDecoder(target, retriever, vocab_size=97, eos_ids=(),
+                               context_length=256, config=plain.config)
+    for prompt, expected in zip(prompts, outputs):
+        for spec in ("static:10", "static:2", "none"):
+            result = generate(decoder, prompt, make_controller(spec))
+            assert result.output_ids == expected, spec
+            if spec == "static:10":
+                assert sum(r.n_accepted for r in result.rounds) >= 10
+                assert len(result.rounds) < len(expected)
+            assert all(r.drafted <= 16 and r.n_accepted <= (10 if spec != "static:2" else 2)
+                       for r in result.rounds)
+    with pytest.raises(DecodeInputError, match="does not apply to retrieval"):
+        generate(decoder, prompts[0], make_controller("svip"))
+
+
+def test_rest_refuses_sampling(tiny_models, tmp_path):
+    target, _ = tiny_models
+    retriever = Retriever(store(tmp_path, [1, 2, 3, 4]))
+    config = make_decoder(target, None, temperature=0.7).config
+    with pytest.raises(DecodeInputError, match="no lossless multi-candidate sampling rule"):
+        RetrievalDecoder(target, retriever, vocab_size=97, eos_ids=(), context_length=256,
+                         config=config)
+
+
+def test_datastore_build_and_tokenizer_mismatch(tmp_path):
+    from draftctl.retrieval.datastore import build_datastore
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("w1 w2 w3 w4 w1 w2 w3 w5")
+    (tmp_path / "corpus" / "b.py").write_text("w7 w1 w2")
+    tokenizer = word_tokenizer()
+    manifest = build_datastore(tokenizer, tmp_path / "ds", [str(tmp_path / "corpus")],
+                               tokenizer_spec="words", progress=False)
+    assert manifest["tokens"] == 8 + 3 + 2 and len(manifest["files"]) == 2
+    data = Datastore(tmp_path / "ds", tokenizer)
+    w1w2 = tokenizer("w1 w2", add_special_tokens=False)["input_ids"]
+    lo, hi = data.find(w1w2)
+    assert hi - lo == 3
+    other = word_tokenizer(["<unk>", "<eos>"] + [f"x{i}" for i in range(50)])
+    with pytest.raises(DatastoreError, match="built with another tokenizer"):
+        Datastore(tmp_path / "ds", other)
+    with pytest.raises(DatastoreError, match="neither a file, a folder nor a built-in"):
+        build_datastore(tokenizer, tmp_path / "x", ["missing-dir"])
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(DatastoreError, match="unknown datastore format"):
+        Datastore(tmp_path / "ds")
