@@ -177,6 +177,23 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decoding_flags(parser: argparse.ArgumentParser, max_draft: bool = True,
+                    dtype: bool = True) -> None:
+    """The decoding options decode, collect and bench share."""
+    parser.add_argument("--max-new-tokens", type=int)
+    if max_draft:
+        parser.add_argument("--max-draft", type=int, help="hard cap on draft tokens per round "
+                                                          "(16)")
+    parser.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--device", help="cpu, cuda or auto")
+    if dtype:
+        parser.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), "
+                                            "float32, ...")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftctl", description="Draft-length control for speculative decoding.")
@@ -196,14 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "build) instead of a draft model; greedy, none or static:K")
     dec.add_argument("--controller", help="draft-length policy (default static:4 with a draft, "
                                           "none without)")
-    dec.add_argument("--max-new-tokens", type=int)
-    dec.add_argument("--max-draft", type=int, help="hard cap on draft tokens per round (16)")
-    dec.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    dec.add_argument("--top-k", type=int)
-    dec.add_argument("--top-p", type=float)
-    dec.add_argument("--seed", type=int)
-    dec.add_argument("--device", help="cpu, cuda or auto (default)")
-    dec.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), float32, ...")
+    _decoding_flags(dec)
     dec.add_argument("--raw", action="store_true", help="do not apply the chat template")
     dec.add_argument("--json", action="store_true", help="print one JSON object")
     dec.set_defaults(func=_decode)
@@ -241,12 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--mode", choices=("probe", "policy", "dense"))
     col.add_argument("--controller", help="policy for --mode policy")
     col.add_argument("--k-probe", type=int)
-    col.add_argument("--max-new-tokens", type=int)
-    col.add_argument("--temperature", type=float)
-    col.add_argument("--top-k", type=int)
-    col.add_argument("--top-p", type=float)
-    col.add_argument("--seed", type=int)
-    col.add_argument("--device")
+    _decoding_flags(col, max_draft=False, dtype=False)
     col.add_argument("--out")
     col.set_defaults(func=_collect)
 
@@ -273,14 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--draft")
     be.add_argument("--drafter", help="rest:DIR: retrieval drafts from a datastore (controllers "
                                       "none and static:K, K = trie depth)")
-    be.add_argument("--max-new-tokens", type=int)
-    be.add_argument("--max-draft", type=int)
-    be.add_argument("--temperature", type=float)
-    be.add_argument("--top-k", type=int)
-    be.add_argument("--top-p", type=float)
-    be.add_argument("--seed", type=int)
-    be.add_argument("--device")
-    be.add_argument("--dtype")
+    _decoding_flags(be)
     be.add_argument("--no-plots", action="store_true")
     be.add_argument("--out", help="output folder (default runs/bench)")
     be.set_defaults(func=_bench)

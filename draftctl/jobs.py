@@ -10,13 +10,7 @@ from tqdm import tqdm
 
 from draftctl.config import save_config
 from draftctl.controllers import make_controller
-from draftctl.decode import (
-    DecodeConfig,
-    GenerationResult,
-    SamplingConfig,
-    SpeculativeDecoder,
-    generate,
-)
+from draftctl.decode import DecodingOptions, GenerationResult, SpeculativeDecoder, generate
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.retrieval import is_retrieval, retrieval_decoder
@@ -27,26 +21,15 @@ class JobError(DraftctlError):
 
 
 @dataclass
-class DecodeJob:
+class DecodeJob(DecodingOptions):
     prompt: str = ""
     target: str = DEFAULT_TARGET
     draft: str | None = None
     drafter: str | None = None  # rest:DIR drafts from a datastore instead of a draft model
     controller: str = "static:4"
-    max_new_tokens: int = 128
-    max_draft: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
     chat: bool = True
-
-    def decode_config(self) -> DecodeConfig:
-        return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.max_draft,
-                            sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
-                            seed=self.seed)
 
 
 def run_decode(job: DecodeJob) -> tuple[GenerationResult, str]:

@@ -120,10 +120,7 @@ def write_plots(report: dict, runs: list[Run], out: Path) -> list[Path]:
     ax.set_ylabel("speedup over AR (tokens/s)")
     ax.set_title("Speedup per controller and category")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(out / "speedup.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out / "speedup.png"))
 
     drafted = [run for run in runs if run.spec != "none"]
     entropy, position, accepted = _acceptance_points(drafted)
@@ -142,10 +139,7 @@ def write_plots(report: dict, runs: list[Run], out: Path) -> list[Path]:
         ax.set_ylabel("P(accepted | earlier tokens accepted)")
         ax.set_ylim(0, 1)
     fig.suptitle("Acceptance of drafted tokens, all controllers pooled")
-    fig.tight_layout()
-    paths.append(out / "acceptance.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out / "acceptance.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for spec in specs:
@@ -158,8 +152,14 @@ def write_plots(report: dict, runs: list[Run], out: Path) -> list[Path]:
     ax.set_ylabel("share of rounds")
     ax.set_title("Accepted lengths")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(out / "accepted_lengths.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out / "accepted_lengths.png"))
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

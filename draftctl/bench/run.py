@@ -14,7 +14,7 @@ from draftctl.bench.report import write_answers, write_markdown, write_plots
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller
 from draftctl.controllers.rules import NoDraft, ReferenceOracle, Static
-from draftctl.decode import DecodeConfig, SamplingConfig, SpeculativeDecoder, generate
+from draftctl.decode import DecodeConfig, DecodingOptions, SpeculativeDecoder, generate
 from draftctl.decode.loop import GenerationResult
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
@@ -25,7 +25,7 @@ DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", 
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(DecodingOptions):
     prompts: str | None = None  # JSONL or datasets folder; default: draftctl's prompt set
     split: str = "test"
     limit: int | None = None
@@ -34,21 +34,10 @@ class BenchConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
     drafter: str | None = None  # rest:DIR: retrieval drafts from a datastore, no draft model
-    max_new_tokens: int = 128
-    max_draft: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
     plots: bool = True
     out: str = "runs/bench"
-
-    def decode_config(self) -> DecodeConfig:
-        return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.max_draft,
-                            sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
-                            seed=self.seed)
 
 
 @dataclass

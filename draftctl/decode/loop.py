@@ -42,6 +42,24 @@ class DecodeConfig:
 
 
 @dataclass
+class DecodingOptions:
+    """The decoding settings jobs share as flat config keys; ``decode_config()`` builds the
+    decoder's config from them (and checks them)."""
+
+    max_new_tokens: int = 128
+    max_draft: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.max_draft,
+                            sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
+                            seed=self.seed)
+
+
+@dataclass
 class RoundRecord:
     """What happened in one round.
 
