@@ -39,8 +39,20 @@ class TrainConfig:
                                 f"{', '.join(THRESHOLD_RULES)}")
 
 
-def learned_controller(model, features, threshold: float, spec: str) -> ScoreThreshold:
-    controller = ScoreThreshold(lambda x: float(model.predict(x)[0]), features, threshold)
+def learned_controller(model, features, threshold: float, spec: str,
+                       memo: dict[bytes, float] | None = None) -> ScoreThreshold:
+    """The model behind the stop rule, as replay runs it. ``memo`` caches scores by input
+    bytes: replaying a grid of thresholds visits the same trace rows again and again, and
+    one-row ``predict`` calls dominate the cost."""
+    memo = {} if memo is None else memo
+
+    def score(x) -> float:
+        key = x.tobytes()
+        if key not in memo:
+            memo[key] = float(model.predict(x)[0])
+        return memo[key]
+
+    controller = ScoreThreshold(score, features, threshold)
     controller.spec = spec
     return controller
 
@@ -89,8 +101,10 @@ def run_train(cfg: TrainConfig) -> dict:
     p_dev = model.predict(dev.X)
     grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
     name = f"learned-{cfg.kind}"
+    memo: dict[bytes, float] = {}
     threshold, dev_best = best_by_speedup(
-        traces, {float(t): learned_controller(model, features, float(t), name) for t in grid},
+        traces, {float(t): learned_controller(model, features, float(t), name, memo)
+                 for t in grid},
         dev_ids)
     svip_spec, _ = best_by_speedup(
         traces, {f"svip:{t:.2f}": f"svip:{t:.2f}" for t in np.arange(0.1, 1.01, 0.05)}, dev_ids)
@@ -103,7 +117,7 @@ def run_train(cfg: TrainConfig) -> dict:
     static_spec, _ = best_by_speedup(traces, dict(zip(statics, statics)), dev_ids)
     dev_choices = {"static": static_spec, "svip": svip_spec, "confidence": conf_spec}
     baselines = [*statics, "heuristic", "confidence", conf_spec, svip_spec, "oracle"]
-    learned = learned_controller(model, features, threshold, name)
+    learned = learned_controller(model, features, threshold, name, memo)
     test_results = replay(traces, [learned, *baselines], test_ids) if test_ids else []
     summary = _test_summary(test_results, name, svip_spec) if test_results else None
     cost = traces.info["cost"]
