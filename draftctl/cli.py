@@ -16,7 +16,8 @@ from draftctl.models import default_draft
 
 def _decode(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
-        "prompt", "target", "draft", "drafter", "controller", "max_new_tokens", "max_draft", "temperature",
+        "prompt", "target", "draft", "drafter", "controller", "max_new_tokens", "max_draft",
+        "verify_min", "temperature",
         "top_k", "top_p", "seed", "device", "dtype")}
     if args.raw:
         overrides["chat"] = False
@@ -104,7 +105,7 @@ def _bench(args: argparse.Namespace) -> int:
     from draftctl.bench.run import BenchConfig, run_bench
 
     keys = ("prompts", "split", "limit", "per_category", "target", "draft", "drafter",
-            "max_new_tokens",
+            "verify_min", "max_new_tokens",
             "max_draft", "temperature", "top_k", "top_p", "seed", "device", "dtype", "out")
     overrides = {k: getattr(args, k) for k in keys}
     if args.controllers is not None:
@@ -189,6 +190,10 @@ def _decoding_flags(parser: argparse.ArgumentParser, max_draft: bool = True,
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", help="cpu, cuda or auto")
+    if max_draft:
+        parser.add_argument("--verify-min", type=int,
+                            help="pad verification passes of 2 or more tokens to N tokens, for "
+                                 "CPUs where 2-3 rows cost more than 4-5 (0: off, default)")
     if dtype:
         parser.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), "
                                             "float32, ...")

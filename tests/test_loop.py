@@ -200,3 +200,28 @@ def test_masked_forward_runs_branches_like_separate_sequences(tiny_models):
         torch.testing.assert_close(rows, expect, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="attention pattern has shape"):
         lm.forward_masked(tokens, positions, allowed)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20}])
+def test_padded_verification_changes_nothing_but_the_pass_size(tiny_models, sampling):
+    target, draft = tiny_models
+    plain = make_decoder(target, draft, max_new_tokens=30, **sampling)
+    padded = make_decoder(target, draft, max_new_tokens=30, verify_min=5, **sampling)
+    sizes = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True)
+    try:
+        for prompt in PROMPTS:
+            for spec in ("static:1", "static:2", "svip:0.5", "static:6"):
+                expect = generate(plain, prompt, make_controller(spec), seed=3)
+                sizes.clear()
+                got = generate(padded, prompt, make_controller(spec), seed=3)
+                assert got.output_ids == expect.output_ids, spec
+                assert [r.n_accepted for r in got.rounds] == [r.n_accepted for r in expect.rounds]
+                passes = sizes[1:] if len(prompt) > 1 else sizes  # after the prefill
+                assert all(n == 1 or n >= 5 for n in passes), (spec, passes)
+    finally:
+        hook.remove()
+    with pytest.raises(DecodeInputError, match="verify_min must be >= 0"):
+        make_decoder(target, draft, verify_min=-1)

@@ -33,12 +33,18 @@ class DecodeConfig:
     max_draft: int = 16  # hard cap on draft tokens per round, whatever the controller says
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
+    # Pad a verification pass of 2 .. verify_min - 1 tokens to verify_min tokens (0: never).
+    # On CPUs whose matmul kernels handle 2-3 rows slower than 4-5 (MKL's small-row path),
+    # the padded pass is cheaper; the padding's outputs and cache entries are dropped.
+    verify_min: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise DecodeInputError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.max_draft < 0:
             raise DecodeInputError(f"max_draft must be >= 0, got {self.max_draft}")
+        if self.verify_min < 0:
+            raise DecodeInputError(f"verify_min must be >= 0, got {self.verify_min}")
 
 
 @dataclass
@@ -52,11 +58,12 @@ class DecodingOptions:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    verify_min: int = 0
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.max_draft,
                             sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
-                            seed=self.seed)
+                            seed=self.seed, verify_min=self.verify_min)
 
 
 @dataclass
@@ -225,7 +232,10 @@ class SpeculativeDecoder:
         the accepted prefix. Returns the verdict, per-token beta (k,) and target argmax (k,)."""
         k = draft.tokens.shape[0]
         fed = torch.cat([seq[len(self.target):], draft.tokens])
-        target_logits = self.target.forward(fed)[-(k + 1):]  # (k+1, V)
+        n = fed.shape[0]
+        if 2 <= n < self.config.verify_min:  # padding: see DecodeConfig.verify_min
+            fed = torch.cat([fed, fed[-1:].expand(self.config.verify_min - n)])
+        target_logits = self.target.forward(fed)[n - (k + 1):n]  # (k+1, V)
         sampling = self.config.sampling
         if sampling.greedy:
             verdict = verify_greedy(draft.tokens, target_logits)
