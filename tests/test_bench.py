@@ -96,3 +96,14 @@ def test_bench_and_decode_with_a_rest_datastore(pair, tmp_path, capsys):  # noqa
                  "--prompt", "w1 w8 w15", "--max-new-tokens", "8", "--device", "cpu",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["new_tokens"] == 8
+    drafted = {}
+    for option in ("", ",max_nodes=2"):  # "w2 w3" occurs in the corpus: a wide first trie
+        assert main(["decode", "--target", target, "--drafter", drafter + option,
+                     "--controller", "static:5", "--prompt", "w1 w2 w3", "--max-new-tokens",
+                     "8", "--device", "cpu", "--json"]) == 0
+        drafted[option] = json.loads(capsys.readouterr().out.splitlines()[-1])[
+            "drafted_per_round"]
+    assert drafted[""][0] > 2 and drafted[",max_nodes=2"][0] == 2
+    assert main(["decode", "--target", target, "--drafter", f"{drafter},width=2",
+                 "--prompt", "w1", "--device", "cpu"]) == 2
+    assert "'width=2' is not key=integer" in capsys.readouterr().err

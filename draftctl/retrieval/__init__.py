@@ -20,13 +20,25 @@ def is_retrieval(drafter: str | None) -> bool:
 
 def retrieval_decoder(target: LoadedModel, drafter: str,
                       config: DecodeConfig) -> RetrievalDecoder:
-    """The decoder for a ``rest:DIR`` drafter spec over a loaded target."""
+    """The decoder for a drafter spec ``rest:DIR`` or ``rest:DIR,key=value,...`` (keys:
+    the ``RetrievalConfig`` fields, e.g. ``max_nodes=16``) over a loaded target."""
+    from dataclasses import fields
+
     from draftctl.decode.tree import RetrievalDecoder
     from draftctl.retrieval.datastore import Datastore
-    from draftctl.retrieval.retriever import Retriever
+    from draftctl.retrieval.retriever import RetrievalConfig, Retriever
 
-    folder = drafter[len(PREFIX):]
+    folder, *options = drafter[len(PREFIX):].split(",")
     if not folder:
         raise DraftctlError("drafter spec 'rest:' needs the datastore folder: rest:DIR")
+    known = {f.name for f in fields(RetrievalConfig)}
+    settings = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in known or not value.isdigit():
+            raise DraftctlError(f"drafter spec {drafter!r}: {option!r} is not key=integer with "
+                                f"a key among {', '.join(sorted(known))}")
+        settings[key] = int(value)
     datastore = Datastore(folder, target.tokenizer)
-    return RetrievalDecoder.from_loaded(target, Retriever(datastore), config)
+    return RetrievalDecoder.from_loaded(target, Retriever(datastore, RetrievalConfig(**settings)),
+                                        config)
