@@ -130,7 +130,7 @@ def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int,
     n_prompt, n_out = len(prompt_ids), len(output)
     lm = decoder.drafter.lm
     lm.reset()
-    logits = lm.forward(seq[:-1])[n_prompt - 1:]  # (T, V): row t continues seq[:n_prompt + t]
+    logits = lm.forward(seq[:-1], keep=n_out)  # (T, V): row t continues seq[:n_prompt + t]
     base = len(lm)
     branch = torch.arange(n_out, device=decoder.device)
     context_len = n_prompt + branch

@@ -28,10 +28,12 @@ class CachedLM:
         return self._length
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Feed ``tokens`` (n,) long; return logits (n, vocab) or, with last_only, (1, vocab)."""
+    def forward(self, tokens: torch.Tensor, last_only: bool = False,
+                keep: int = 0) -> torch.Tensor:
+        """Feed ``tokens`` (n,) long; return logits (n, vocab), or of the last ``keep``
+        tokens only (``last_only`` is ``keep=1``)."""
         out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
-                         logits_to_keep=1 if last_only else 0)
+                         logits_to_keep=1 if last_only else keep)
         self._length += tokens.shape[0]
         self.forwards += 1
         return out.logits[0, :, : self.vocab_size]
