@@ -13,7 +13,7 @@ from draftctl.controllers import make_controller
 from draftctl.decode import DecodingOptions, GenerationResult, SpeculativeDecoder, generate
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
-from draftctl.retrieval import is_retrieval, retrieval_decoder
+from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
 
 
 class JobError(DraftctlError):
@@ -40,7 +40,8 @@ def run_decode(job: DecodeJob) -> tuple[GenerationResult, str]:
         raise JobError("the prompt is empty: pass --prompt TEXT")
     if is_retrieval(job.drafter):
         target = load_model(job.target, job.device, job.dtype)
-        decoder = retrieval_decoder(target, job.drafter, config)
+        decoder = retrieval_decoder(target, make_retriever(job.drafter, target.tokenizer),
+                                    config)
         result = generate(decoder, encode_prompt(target.tokenizer, job.prompt, chat=job.chat),
                           controller)
         return result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True)

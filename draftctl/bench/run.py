@@ -19,7 +19,7 @@ from draftctl.decode.loop import GenerationResult
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.prompts import load_prompts
-from draftctl.retrieval import is_retrieval, retrieval_decoder
+from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
 
@@ -159,12 +159,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     target = load_model(cfg.target, cfg.device, cfg.dtype)
     draft = load_model(draft_spec, target.device, cfg.dtype, target=target) if draft_spec \
         else None
-    if retrieval:
-        decoder = retrieval_decoder(target, cfg.drafter, decode_config)
-        warm = retrieval_decoder(target, cfg.drafter, DecodeConfig(max_new_tokens=2))
-    else:
-        decoder = SpeculativeDecoder.from_loaded(target, draft, decode_config)
-        warm = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=2))
+    retriever = make_retriever(cfg.drafter, target.tokenizer) if retrieval else None
+
+    def make_decoder(config: DecodeConfig):
+        if retriever is not None:
+            return retrieval_decoder(target, retriever, config)
+        return SpeculativeDecoder.from_loaded(target, draft, config)
+
+    decoder, warm = make_decoder(decode_config), make_decoder(DecodeConfig(max_new_tokens=2))
     encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
     warm_controller = make_controller("static:1" if draft is not None or retrieval else "none")
     for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from draftctl.decode.loop import DecodeConfig
     from draftctl.decode.tree import RetrievalDecoder
     from draftctl.models import LoadedModel
+    from draftctl.retrieval.retriever import Retriever
 
 PREFIX = "rest:"
 
@@ -18,13 +19,11 @@ def is_retrieval(drafter: str | None) -> bool:
     return drafter is not None and drafter.startswith(PREFIX)
 
 
-def retrieval_decoder(target: LoadedModel, drafter: str,
-                      config: DecodeConfig) -> RetrievalDecoder:
-    """The decoder for a drafter spec ``rest:DIR`` or ``rest:DIR,key=value,...`` (keys:
-    the ``RetrievalConfig`` fields, e.g. ``max_nodes=16``) over a loaded target."""
+def make_retriever(drafter: str, tokenizer) -> Retriever:
+    """The retriever a drafter spec ``rest:DIR`` or ``rest:DIR,key=value,...`` names (keys:
+    the ``RetrievalConfig`` fields, e.g. ``max_nodes=16``), checked against ``tokenizer``."""
     from dataclasses import fields
 
-    from draftctl.decode.tree import RetrievalDecoder
     from draftctl.retrieval.datastore import Datastore
     from draftctl.retrieval.retriever import RetrievalConfig, Retriever
 
@@ -39,6 +38,12 @@ def retrieval_decoder(target: LoadedModel, drafter: str,
             raise DraftctlError(f"drafter spec {drafter!r}: {option!r} is not key=integer with "
                                 f"a key among {', '.join(sorted(known))}")
         settings[key] = int(value)
-    datastore = Datastore(folder, target.tokenizer)
-    return RetrievalDecoder.from_loaded(target, Retriever(datastore, RetrievalConfig(**settings)),
-                                        config)
+    return Retriever(Datastore(folder, tokenizer), RetrievalConfig(**settings))
+
+
+def retrieval_decoder(target: LoadedModel, retriever: Retriever,
+                      config: DecodeConfig) -> RetrievalDecoder:
+    """A greedy tree decoder over a loaded target with drafts from ``retriever``."""
+    from draftctl.decode.tree import RetrievalDecoder
+
+    return RetrievalDecoder.from_loaded(target, retriever, config)

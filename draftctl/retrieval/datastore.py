@@ -70,7 +70,7 @@ def corpus_files(corpus: Iterable[str]) -> list[Path]:
     return files
 
 
-def _dataset_texts(path: str) -> Iterator[tuple[str, str]]:
+def _dataset_texts(path: str) -> Iterator[str]:
     import datasets
 
     try:
@@ -84,8 +84,7 @@ def _dataset_texts(path: str) -> Iterator[tuple[str, str]]:
     if column is None:
         raise DatastoreError(f"{path} has no text column (text, content, response or "
                              f"prompt); its columns: {', '.join(data.column_names)}")
-    for i, text in enumerate(data[column]):
-        yield f"{path}#{i}", text
+    yield from data[column]
 
 
 def build_datastore(tokenizer, out: str | Path, corpus: Iterable[str] = (),
@@ -104,7 +103,7 @@ def build_datastore(tokenizer, out: str | Path, corpus: Iterable[str] = (),
         for path in files:
             yield str(path), path.read_text(encoding="utf-8", errors="replace")
         if dataset is not None:
-            for _, text in _dataset_texts(dataset):
+            for text in _dataset_texts(dataset):
                 yield None, text
 
     for name, text in tqdm(documents(), desc="tokenise", unit="doc", total=len(files) or None,
