@@ -10,11 +10,10 @@ writes JSON with the tokens/s ratio (goal: >= 1.0) and checks that both produce 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+from common import write_report
 
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
@@ -69,12 +68,9 @@ def main() -> None:
               "draftctl_tokens_per_s": ours_tps, "hf_tokens_per_s": hf_tps,
               "ratio": ours_tps / hf_tps, "all_identical": all(r["identical"] for r in rows),
               "prompts": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(report, args.out, show=False)
     print(f"draftctl {ours_tps:.2f} tok/s, hf generate {hf_tps:.2f} tok/s, "
           f"ratio {report['ratio']:.3f} (goal >= 1.0), identical: {report['all_identical']}")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ writes JSON with the ratio collection / plain (goal: >= 0.8).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
+
+from common import write_report
 
 from draftctl.collect.traces import round_rows, write_shard
 from draftctl.controllers import make_controller
@@ -76,10 +77,7 @@ def main() -> None:
               "plain_tokens_per_s": rates["plain"], "collect_tokens_per_s": rates["collect"],
               "ratio": rates["collect"] / rates["plain"], "goal": 0.8,
               "tokens": totals["plain"][0]}
-    print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

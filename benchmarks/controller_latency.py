@@ -10,12 +10,11 @@ Goal: an ONNX controller call <= 20 us on the project's CPU. Prints and writes J
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
+from common import write_report
 
 from draftctl.controllers import make_controller
 from draftctl.decode.features import TOP_K, FeatureRecord
@@ -56,10 +55,7 @@ def main() -> None:
     results = {spec: time_per_call_us(make_controller(spec), batch) for spec in specs}
     for spec, us in results.items():
         print(f"{spec:<50} {us:8.2f} us/call")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"us_per_call": results, "calls_per_batch": len(batch)}, indent=2))
-    print(f"wrote {out}")
+    write_report({"us_per_call": results, "calls_per_batch": len(batch)}, args.out, show=False)
 
 
 if __name__ == "__main__":

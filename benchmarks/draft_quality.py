@@ -14,12 +14,12 @@ script checks it against plain decoding on the first prompts).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import write_report
 from tqdm import tqdm
 
 from draftctl.controllers import make_controller
@@ -110,11 +110,7 @@ def main() -> None:
               "static4_accepted_per_round": accepted / rounds,
               "static4_tau": new_tokens / rounds,
               "threads": torch.get_num_threads(), "device": str(target.device)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

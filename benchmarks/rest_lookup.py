@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import write_report
 
 from draftctl.retrieval.datastore import SEPARATOR, Datastore, write_datastore
 from draftctl.retrieval.retriever import Retriever
@@ -64,10 +65,7 @@ def main() -> None:
         results[kind] = {"median_ms": float(np.median(ms)), "p90_ms": float(np.quantile(ms, 0.9)),
                          "mean_ms": float(ms.mean()), "found_share": found / args.lookups}
     report = {"datastore_tokens": args.tokens, "lookups": args.lookups, **results, "goal_ms": 1.0}
-    print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ controller padded and unpadded with their ratio.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from common import write_report
 
 from draftctl.collect.run import measure_costs
 from draftctl.controllers import make_controller
@@ -71,10 +71,7 @@ def main() -> None:
                           for s in specs for p in ("plain", "padded")},
         "mismatches": mismatches,
     }
-    print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
