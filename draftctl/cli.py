@@ -63,7 +63,8 @@ def _distill(args: argparse.Namespace) -> int:
     from draftctl.distill.run import DistillConfig, run_distill
 
     overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
-                 "steps": args.steps, "time_budget_min": args.time_budget_min}
+                 "steps": args.steps, "time_budget_min": args.time_budget_min,
+                 "extra_text": args.extra_text}
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
     print(f"draft written to {manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
@@ -241,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--target", help="target model spec")
     dist.add_argument("--out", help="output folder (resumes what it finds there)")
     dist.add_argument("--prompts", help="JSONL prompt file for the training text")
+    dist.add_argument("--extra-text", nargs="+", metavar="FILE",
+                      help="local UTF-8 text files to learn the target's labels on, too")
     dist.add_argument("--steps", type=int)
     dist.add_argument("--time-budget-min", type=float)
     dist.set_defaults(func=_distill)

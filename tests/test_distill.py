@@ -11,6 +11,7 @@ from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.distill import run as distill_run
 from draftctl.distill.model import DraftFileError, DraftLM
 from draftctl.distill.run import DistillConfig, run_distill
+from draftctl.errors import DraftctlError
 from draftctl.models import VocabularyMismatchError, load_model
 from tests.test_models import WORDS, save_model
 
@@ -111,3 +112,44 @@ def test_a_target_with_another_tokenizer_is_refused(setup, tmp_path):
     draft = load_model(config.out, "cpu")
     with pytest.raises(VocabularyMismatchError, match="first at id 7"):
         SpeculativeDecoder.from_loaded(stranger, draft)
+
+
+def test_batched_teacher_labels_match_one_sequence_at_a_time(setup):
+    teacher_spec, _ = setup
+    target = load_model(teacher_spec, "cpu")
+    rows = [{"question_id": i, "sample": i % 2, "prompt_ids": list(range(3, 6 + i)),
+             "response_ids": list(range(10 + i, 14 + 2 * i))} for i in range(5)]
+    head = torch.arange(0, 60)
+    batched = distill_run.teacher_labels(target.model, rows, head, 4, prompt_loss=True,
+                                         batch_tokens=64)
+    single = distill_run.teacher_labels(target.model, rows, head, 4, prompt_loss=True,
+                                        batch_tokens=1)
+    for (tokens, start), row in zip(batched["sequences"], rows):
+        prompt = len(row["prompt_ids"])
+        # The prompt is labelled once, on its first response only.
+        assert start == (0 if row["sample"] == 0 else prompt - 1)
+        assert tokens.tolist() == row["prompt_ids"] + row["response_ids"]
+    for a, b in zip(batched["label_probs"], single["label_probs"]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=0)
+    assert [len(p) for p in batched["label_probs"]] == [
+        len(t) - 1 - s for t, s in batched["sequences"]]
+
+
+def test_extra_text_is_labelled_at_every_position(setup, tmp_path):
+    _, config = setup
+    text = tmp_path / "notes.txt"
+    text.write_text(" ".join(f"w{i % 50}" for i in range(30)))
+    config.extra_text, config.text_chunk_tokens, config.steps = [str(text)], 8, 2
+    manifest = run_distill(config)
+    (entry,) = manifest["data"]["extra_text"]
+    assert entry["path"] == str(text) and entry["tokens"] == 30
+    # 4 chunks (8, 8, 8, 6 tokens) add 7 + 7 + 7 + 5 labelled positions to the responses'.
+    teacher = torch.load(f"{config.out}/data/teacher.pt")
+    assert [len(t) for t, _ in teacher["sequences"][-4:]] == [8, 8, 8, 6]
+    assert all(start == 0 for _, start in teacher["sequences"][-4:])
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe not utf-8")
+    config.extra_text, config.out = [str(bad)], str(tmp_path / "other")
+    with pytest.raises(DraftctlError, match="bad.txt is not UTF-8"):
+        run_distill(config)

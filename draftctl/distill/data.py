@@ -10,6 +10,7 @@ position keep the target's top-k probabilities restricted to the draft's head to
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from draftctl.errors import DraftctlError
 from draftctl.models import encode_prompt
 from draftctl.prompts import Prompt
 
@@ -115,3 +117,29 @@ def choose_head_ids(rows: Sequence[dict], head_size: int, always: Iterable[int],
         used = set(chosen)
         chosen += [t for t in range(vocab_size) if t not in used][: head_size - len(chosen)]
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def text_rows(tokenizer, paths: Sequence[str], chunk_tokens: int) -> dict:
+    """Rows for extra local text: each file tokenised (no chat template) and cut into chunks of
+    ``chunk_tokens``, labelled at every position. Returns {"rows", "files"} where "files" gives
+    each file's path, sha256 and token count for the manifest."""
+    if chunk_tokens < 2:
+        raise DraftctlError(f"text_chunk_tokens must be at least 2, got {chunk_tokens}")
+    rows, files = [], []
+    for path in map(Path, paths):
+        try:
+            data = path.read_bytes()
+            text = data.decode("utf-8")
+        except OSError as err:
+            raise DraftctlError(f"cannot read extra text file {path}: {err}") from None
+        except UnicodeDecodeError as err:
+            raise DraftctlError(f"extra text file {path} is not UTF-8 text: {err}") from None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        files.append({"path": str(path), "sha256": hashlib.sha256(data).hexdigest(),
+                      "tokens": len(ids)})
+        for first in range(0, len(ids) - 1, chunk_tokens):
+            chunk = ids[first:first + chunk_tokens]
+            if len(chunk) > 1:  # position 0 predicts token 1: the whole chunk is labelled
+                rows.append({"question_id": -1 - len(rows), "sample": 0,
+                             "prompt_ids": chunk[:1], "response_ids": chunk[1:]})
+    return {"rows": rows, "files": files}

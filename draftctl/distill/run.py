@@ -18,14 +18,14 @@ import os
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from draftctl.config import save_config
-from draftctl.distill.data import choose_head_ids, generate_responses, read_responses
+from draftctl.distill.data import choose_head_ids, generate_responses, read_responses, text_rows
 from draftctl.distill.model import DraftLM, from_target, load_draft, save_draft, trainable_state
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, LoadedModel, load_model, model_file_sha256
@@ -45,6 +45,9 @@ class DistillConfig:
     top_p: float = 0.95
     gen_batch: int = 16
     max_prompt_tokens: int = 384
+    # Extra local text files (UTF-8), teacher-labelled at every position in chunks.
+    extra_text: list[str] = field(default_factory=list)
+    text_chunk_tokens: int = 512
     eval_prompts: str | None = None  # default: same file as prompts
     eval_split: str = "dev"
     eval_limit: int = 24
@@ -52,6 +55,7 @@ class DistillConfig:
     n_layers: int = 4
     head_size: int = 8192
     teacher_top_k: int = 32
+    prompt_loss: bool = False  # also learn the teacher's labels on the prompts' positions
     steps: int = 3000
     batch_sequences: int = 4
     lr: float = 5e-4
@@ -71,28 +75,53 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int) -> dict:
-    """Per response position: the target's top-k probabilities over the head tokens.
+def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, *,
+                   prompt_loss: bool = False, batch_tokens: int = 2048) -> dict:
+    """Per labelled position: the target's top-k probabilities over the head tokens.
 
-    Returns {"sequences": [(tokens (L,), first_response_pos)], "label_ids": [(n, k) head
-    indices], "label_probs": [(n, k)]}; position j of a sequence predicts token j + 1.
+    A row's labelled positions are its response's, and also its prompt's when ``prompt_loss``
+    and the row is the prompt's first response (so each prompt is labelled once). Sequences
+    run through the target in batches of similar length, right-padded (the model is causal,
+    so padding after a sequence does not change its logits).
+
+    Returns {"sequences": [(tokens (L,), first labelled position)], "label_ids": [(n, k) head
+    indices], "label_probs": [(n, k)]}, in ``rows`` order; position j predicts token j + 1.
     """
     device = next(model.parameters()).device
     head_ids = head_ids.to(device)
-    sequences, label_ids, label_probs = [], [], []
-    for row in tqdm(rows, desc="teacher labels", unit="seq"):
+    items = []
+    for row in rows:
         if not row["response_ids"]:
             continue
         tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
-        start = len(row["prompt_ids"]) - 1  # this position predicts the first response token
+        start = 0 if prompt_loss and row["sample"] == 0 else len(row["prompt_ids"]) - 1
+        items.append((tokens, start))
+    order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
+    labels: list = [None] * len(items)
+    bar = tqdm(total=sum(len(t) for t, _ in items), desc="teacher labels", unit="tok",
+               unit_scale=True)
+    first = 0
+    while first < len(order):
+        last = first + 1
+        while last < len(order) and (last - first + 1) * len(items[order[last]][0]) <= batch_tokens:
+            last += 1
+        group = order[first:last]
+        width = len(items[group[-1]][0])
+        batch = torch.zeros((len(group), width), dtype=torch.long)
+        for r, i in enumerate(group):
+            batch[r, :len(items[i][0])] = items[i][0]
         with torch.inference_mode():
-            logits = model(tokens[None].to(device)).logits[0, start:-1].float()
-        probs = torch.softmax(logits, -1)[:, head_ids]
-        top = probs.topk(top_k, dim=-1)
-        sequences.append((tokens, start))
-        label_ids.append(top.indices.to(torch.int16).cpu())
-        label_probs.append(top.values.to(torch.float16).cpu())
-    return {"sequences": sequences, "label_ids": label_ids, "label_probs": label_probs}
+            logits = model(batch.to(device)).logits.float()
+        for r, i in enumerate(group):
+            tokens, start = items[i]
+            probs = torch.softmax(logits[r, start:len(tokens) - 1], -1)[:, head_ids]
+            top = probs.topk(top_k, dim=-1)
+            labels[i] = (top.indices.to(torch.int16).cpu(), top.values.to(torch.float16).cpu())
+            bar.update(len(tokens))
+        first = last
+    bar.close()
+    return {"sequences": items, "label_ids": [ids for ids, _ in labels],
+            "label_probs": [probs for _, probs in labels]}
 
 
 def distill_loss(draft: DraftLM, tokens: torch.Tensor, start: int, label_ids: torch.Tensor,
@@ -146,16 +175,18 @@ def run_distill(cfg: DistillConfig) -> dict:
     generate_responses(target.model, target.tokenizer, eval_prompts, out / "data" / "eval.jsonl",
                        samples_per_prompt=0, max_new_tokens=cfg.eval_max_new_tokens, **common)
     rows = read_responses(out / "data" / "responses.jsonl")
+    texts = text_rows(target.tokenizer, cfg.extra_text, cfg.text_chunk_tokens)
     eval_rows = read_responses(out / "data" / "eval.jsonl")
 
     teacher_path = out / "data" / "teacher.pt"
     if teacher_path.is_file():
         teacher = torch.load(teacher_path)
     else:
-        head_ids = choose_head_ids(rows, cfg.head_size, target.eos_token_ids,
+        head_ids = choose_head_ids(rows + texts["rows"], cfg.head_size, target.eos_token_ids,
                                    len(target.tokenizer))
         teacher = {"head_ids": head_ids,
-                   **teacher_labels(target.model, rows, head_ids, cfg.teacher_top_k)}
+                   **teacher_labels(target.model, rows + texts["rows"], head_ids,
+                                    cfg.teacher_top_k, prompt_loss=cfg.prompt_loss)}
         _atomic_save(teacher, teacher_path)
 
     draft, history, step = _train(cfg, target, teacher, eval_rows, out)
@@ -168,7 +199,9 @@ def run_distill(cfg: DistillConfig) -> dict:
                  "split": cfg.split, "prompts": len(prompts), "responses": len(rows),
                  "response_tokens": data_tokens, "eval_split": cfg.eval_split,
                  "eval_prompts": len(eval_prompts),
-                 "responses_sha256": _sha256(out / "data" / "responses.jsonl")},
+                 "responses_sha256": _sha256(out / "data" / "responses.jsonl"),
+                 "prompt_loss": cfg.prompt_loss, "extra_text": texts["files"],
+                 "labelled_positions": sum(len(ids) for ids in teacher["label_ids"])},
         "architecture": {"n_layers": cfg.n_layers, "head_size": cfg.head_size,
                          "embedding": "target's, frozen, not stored",
                          "head": "trained, initialised from the head tokens' embedding rows"},
