@@ -75,7 +75,8 @@ def _distill(args: argparse.Namespace) -> int:
 def _collect(args: argparse.Namespace) -> int:
     from draftctl.collect.run import CollectConfig, run_collect
 
-    keys = ("target", "draft", "prompts", "split", "limit", "per_category", "mode", "controller",
+    keys = ("target", "draft", "drafter", "prompts", "split", "limit", "per_category", "mode",
+            "controller",
             "k_probe", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "device", "out")
     cfg = load_config(CollectConfig, args.config, {k: getattr(args, k) for k in keys})
     summary = run_collect(cfg)
@@ -252,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--config", help="YAML config (see configs/collect.yaml)")
     col.add_argument("--target")
     col.add_argument("--draft")
+    col.add_argument("--drafter", help="rest:DIR: record retrieval drafts, one row per trie "
+                                       "node (--mode probe or policy)")
     col.add_argument("--prompts", help="JSONL prompts (turns or prompt field) or a datasets folder")
     col.add_argument("--split", help="train, dev, test, all, or several joined by commas")
     col.add_argument("--limit", type=int, help="keep the first N prompts")

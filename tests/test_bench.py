@@ -2,12 +2,22 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from draftctl.bench.run import BenchConfig, run_bench
 from draftctl.cli import main
-from draftctl.decode import loop, verify
+from draftctl.collect.run import CollectConfig, run_collect
+from draftctl.collect.traces import read_traces
+from draftctl.controllers import make_controller
+from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate, loop, verify
+from draftctl.export.onnx import export_onnx
+from draftctl.models import encode_prompt, load_model
+from draftctl.prompts import load_prompts
+from draftctl.retrieval.datastore import SEPARATOR, tokenizer_sha256, write_datastore
+from draftctl.train.replay import replay
+from draftctl.train.run import TrainConfig, run_train
 from tests.test_collect import pair  # noqa: F401  (module fixture: tiny target, draft, prompts)
 
 
@@ -89,9 +99,9 @@ def test_bench_and_decode_with_a_rest_datastore(pair, tmp_path, capsys):  # noqa
     report = json.loads((out / "report.json").read_text())
     assert report["draft"] == drafter and report["mismatches"] == 0
     assert [c["spec"] for c in report["controllers"]] == ["static:10", "static:2"]
-    assert main(bench_args(pair, tmp_path / "x", "--controllers", "svip", "--drafter",
+    assert main(bench_args(pair, tmp_path / "x", "--controllers", "oracle", "--drafter",
                            drafter)) == 2
-    assert "do not apply to retrieval" in capsys.readouterr().err
+    assert "does not apply to retrieval" in capsys.readouterr().err
     assert main(["decode", "--target", target, "--drafter", drafter, "--controller", "static:5",
                  "--prompt", "w1 w8 w15", "--max-new-tokens", "8", "--device", "cpu",
                  "--json"]) == 0
@@ -107,3 +117,53 @@ def test_bench_and_decode_with_a_rest_datastore(pair, tmp_path, capsys):  # noqa
     assert main(["decode", "--target", target, "--drafter", f"{drafter},width=2",
                  "--prompt", "w1", "--device", "cpu"]) == 2
     assert "'width=2' is not key=integer" in capsys.readouterr().err
+
+
+def test_retrieval_traces_train_a_trie_pruning_controller(pair, tmp_path):  # noqa: F811
+    target, _, prompts = pair
+    # A corpus holding the target's own greedy answers to half the prompts, and noise.
+    model = load_model(target, "cpu")
+    plain = SpeculativeDecoder.from_loaded(model, None, DecodeConfig(max_new_tokens=20))
+    rng = np.random.default_rng(0)
+    corpus = []
+    for p in load_prompts(prompts)[::2]:
+        ids = encode_prompt(model.tokenizer, p.text)
+        out = generate(plain, ids, make_controller("none")).output_ids
+        corpus += [*ids, *out, SEPARATOR, *ids[-3:], *rng.integers(3, 90, 8), SEPARATOR]
+    write_datastore(np.asarray(corpus, dtype=np.uint32), tmp_path / "ds",
+                    {"tokenizer": "words", "tokenizer_sha256": tokenizer_sha256(model.tokenizer)})
+    drafter = f"rest:{tmp_path / 'ds'},max_nodes=8"
+    traces = tmp_path / "traces"
+    run_collect(CollectConfig(target=target, drafter=drafter, prompts=prompts, split="all",
+                              mode="probe", k_probe=6, max_new_tokens=20, device="cpu",
+                              out=str(traces)))
+    info = json.loads((traces / "run.json").read_text())
+    assert info["drafter"] == "retrieval" and len(info["cost"]["t_verify_s"]) == 9
+    rows = read_traces(traces).to_pylist()
+    nodes = [r for r in rows if r["node"] >= 0]
+    assert nodes and all(not r["reached"] for r in rows if r["node"] < 0)  # empty tries
+    by_key = {(r["prompt_id"], r["round"], r["node"]): r for r in nodes}
+    for r in nodes:
+        parent = by_key.get((r["prompt_id"], r["round"], r["parent"]))
+        assert r["reached"] == (r["parent"] < 0 or parent["accepted"])
+        assert r["accepted"] == (r["reached"] and r["target_top1_match"])
+        assert 1 <= r["position"] <= 6 and r["occurrences"] >= 1 and r["suffix_len"] >= 2
+        assert 0 < r["token_share"] <= 1 and r["node_share"] <= r["token_share"] + 1e-9
+    # Replaying the collection's own policy gives back its rounds exactly.
+    rounds = {(r["prompt_id"], r["round"]): r["round_accepted"] for r in rows}
+    (probe, oracle, shallow) = replay(traces, ["static:6", "oracle", "static:1"])
+    assert probe["rounds"] == len(rounds)
+    assert probe["tokens"] == sum(a + 1 for a in rounds.values())
+    assert oracle["tokens"] == probe["tokens"] and oracle["drafted"] <= probe["drafted"]
+    assert shallow["tokens"] <= probe["tokens"] and shallow["drafted"] < probe["drafted"]
+    # A learned controller on the retrieval features prunes the trie; the output stays exact.
+    run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "m"), grid=6))
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert {"suffix_len", "occurrences", "node_share", "token_share"} <= set(
+        manifest["features"]) and manifest["cost_ratio"] is None
+    export_onnx(tmp_path / "m", tmp_path / "m.onnx")
+    out = tmp_path / "bench"
+    assert main(bench_args(pair, out, "--controllers", f"static:6,svip,onnx:{tmp_path}/m.onnx",
+                           "--drafter", drafter, "--no-plots")) == 0
+    bench = json.loads((out / "report.json").read_text())
+    assert bench["mismatches"] == 0 and len(bench["controllers"]) == 3

@@ -16,7 +16,7 @@ from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.decode.cached_lm import CachedLM
-from draftctl.decode.features import distribution_stats
+from draftctl.decode.features import SCHEMA_VERSION, distribution_stats
 from draftctl.errors import DraftctlError
 from draftctl.models import encode_prompt, load_model, perturbed_copy
 from draftctl.prompts import load_prompts
@@ -74,7 +74,7 @@ def test_dense_replay_equals_real_runs_exactly(pair, tmp_path):
     assert all(oracle["tau"] >= results[s]["tau"] for s in specs)
     info = json.loads((tmp_path / "dense" / "run.json").read_text())
     assert len(info["cost"]["t_verify_s"]) == 7 and info["cost"]["t_draft_s"] > 0
-    assert info["feature_schema_version"] == 1
+    assert info["feature_schema_version"] == SCHEMA_VERSION and info["drafter"] == "model"
 
 
 def test_batched_dense_rows_equal_step_by_step_drafting(tiny_models):

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from draftctl.controllers import make_controller
+from draftctl.controllers import Action, Controller, make_controller
 from draftctl.decode import DecodeInputError, generate
+from draftctl.decode.features import FeatureRecord, SequenceState
 from draftctl.decode.tree import RetrievalDecoder, accepted_path, tree_pattern
 from draftctl.retrieval.datastore import SEPARATOR, Datastore, DatastoreError, write_datastore
-from draftctl.retrieval.retriever import RetrievalConfig, Retriever, build_trie
+from draftctl.retrieval.features import prune, trie_records, tried_chain
+from draftctl.retrieval.retriever import Candidates, RetrievalConfig, Retriever, build_trie
 from tests.conftest import make_decoder
 from tests.test_models import word_tokenizer
 
@@ -88,8 +90,19 @@ def test_greedy_rest_output_equals_plain_decoding(tiny_models, tmp_path):
                 assert len(result.rounds) < len(expected)
             assert all(r.drafted <= 16 and r.n_accepted <= (10 if spec != "static:2" else 2)
                        for r in result.rounds)
+        # Feature-reading controllers prune the trie; the output stays exact.
+        full = generate(decoder, prompt, make_controller("static:10"))
+        for spec in ("svip:0.5", "confidence:0.6", "pmin:0.5"):
+            pruned = generate(decoder, prompt, make_controller(spec))
+            assert pruned.output_ids == expected, spec
+            assert all(len(r.features) == r.drafted == len(r.tree_parents)
+                       for r in pruned.rounds)
+        strict = generate(decoder, prompt, make_controller("confidence:0.99"))
+        assert strict.output_ids == expected
+        assert sum(r.drafted for r in strict.rounds) < sum(r.drafted for r in full.rounds)
+        assert sum(r.controller_calls for r in strict.rounds) > 0
     with pytest.raises(DecodeInputError, match="does not apply to retrieval"):
-        generate(decoder, prompts[0], make_controller("svip"))
+        generate(decoder, prompts[0], make_controller("oracle"))
 
 
 def test_rest_refuses_sampling(tiny_models, tmp_path):
@@ -123,3 +136,60 @@ def test_datastore_build_and_tokenizer_mismatch(tmp_path):
     (tmp_path / "ds" / "manifest.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(DatastoreError, match="unknown datastore format"):
         Datastore(tmp_path / "ds")
+
+
+def hand_trie():
+    # root -> a (6) -> c (4), root -> b (2), a -> d (1); 10 occurrences counted
+    return Candidates(tokens=np.array([10, 11, 12, 13]), parents=np.array([-1, -1, 0, 0]),
+                      depths=np.array([1, 1, 2, 2]), counts=np.array([6, 2, 4, 1]),
+                      match_len=3, occurrences=10)
+
+
+def test_trie_records_describe_the_tries_own_distribution():
+    records = trie_records(hand_trie(), SequenceState(seq_len=20, prev_accepted=1,
+                                                      prev_drafted=3))
+    a, b, c, d = records
+    assert [r.draft_pos for r in records] == [1, 1, 2, 2]
+    assert [r.seq_pos for r in records] == [20, 20, 21, 21]
+    assert (a.token_share, b.token_share) == (0.6, 0.2)
+    assert c.token_share == pytest.approx(4 / 6) and d.token_share == pytest.approx(1 / 6)
+    assert (a.node_share, c.node_share) == (0.6, 0.4)
+    # Below the root: q = (0.6, 0.2) and 0.2 of continuations that end or were cut.
+    assert a.top_probs[:3] == (0.6, 0.2, 0.0) and a.top_probs == b.top_probs
+    assert a.entropy == pytest.approx(-(0.6 * np.log(0.6) + 2 * 0.2 * np.log(0.2)))
+    assert c.cum_top1 == pytest.approx(0.6 * 4 / 6)
+    assert (c.suffix_len, c.occurrences, c.prev_accepted, c.prev_drafted) == (3, 10, 1, 3)
+    assert FeatureRecord.from_vector(c.to_vector()) == c
+
+
+class Scripted(Controller):
+    def __init__(self, actions):
+        self.actions = actions
+        self.asked = []
+
+    def decide(self, record):
+        self.asked.append(record.token_share)
+        return self.actions[len(self.asked) - 1]
+
+
+def test_prune_keeps_stops_and_discards_subtrees():
+    trie = hand_trie()
+    records = trie_records(trie, SequenceState(5))
+    # a: STOP (kept, children dropped unasked); b: CONTINUE
+    ctl = Scripted([Action.STOP, Action.CONTINUE])
+    keep, calls = prune(records, trie.parents.tolist(), ctl)
+    assert keep.tolist() == [True, True, False, False] and calls == 2
+    # a: DISCARD drops its subtree; b kept
+    keep, calls = prune(records, trie.parents.tolist(), Scripted([Action.DISCARD,
+                                                                 Action.CONTINUE]))
+    assert keep.tolist() == [False, True, False, False] and calls == 2
+    keep, _ = prune(records, trie.parents.tolist(), Scripted([Action.CONTINUE] * 2
+                                                             + [Action.DISCARD, Action.STOP]))
+    assert keep.tolist() == [True, True, False, True]
+    kept = trie.select(keep)
+    assert kept.tokens.tolist() == [10, 11, 13] and kept.parents.tolist() == [-1, -1, 0]
+    with pytest.raises(ValueError, match="without its parent"):
+        trie.select(np.array([False, True, True, False]))
+    assert tried_chain([0, 2], trie.parents.tolist()) == [0, 2]
+    assert tried_chain([0], trie.parents.tolist()) == [0, 2]  # c was tried and rejected
+    assert tried_chain([], trie.parents.tolist()) == [0]

@@ -10,7 +10,7 @@ from draftctl.cli import main
 from draftctl.collect.run import run_collect
 from draftctl.controllers import make_controller
 from draftctl.controllers.learned import SchemaMismatchError
-from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.decode import SCHEMA_VERSION, DecodeConfig, SpeculativeDecoder, generate
 from draftctl.errors import DraftctlError
 from draftctl.export.engines import export_engine
 from draftctl.export.onnx import export_onnx
@@ -42,7 +42,7 @@ def test_train_export_and_decode_with_onnx(pair, traces, tmp_path, kind):  # noq
                                    grid=8))
     assert (tmp_path / kind / "report.md").is_file()
     manifest = json.loads((tmp_path / kind / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1 and manifest["features"]
+    assert manifest["schema_version"] == SCHEMA_VERSION and manifest["features"]
     specs = [r["spec"] for r in report["test_replay"]]
     assert {"static:1", "static:6", "heuristic", "oracle"} <= set(specs)
     assert report["metrics"]["test"]["auc"] is None or 0 <= report["metrics"]["test"]["auc"] <= 1

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from draftctl.bench.report import write_answers, write_markdown, write_plots
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller
-from draftctl.controllers.rules import NoDraft, ReferenceOracle, Static
+from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode import DecodeConfig, DecodingOptions, SpeculativeDecoder, generate
 from draftctl.decode.loop import GenerationResult
 from draftctl.errors import DraftctlError
@@ -144,10 +144,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if cfg.drafter is not None and not retrieval:
         raise DraftctlError(f"unknown drafter {cfg.drafter!r}: use rest:DIR (or --draft)")
     draft_spec = None if retrieval else cfg.draft or default_draft(cfg.target)
-    unfit = [s for s, c in controllers.items() if not isinstance(c, NoDraft | Static)]
-    if retrieval and unfit:
-        raise DraftctlError(f"controller(s) {', '.join(unfit)} do not apply to retrieval "
-                            "drafts: use none or static:K (K caps the depth of the trie)")
+    if retrieval and "oracle" in specs:
+        raise DraftctlError("the oracle follows a model draft's chain; it does not apply to "
+                            "retrieval drafts (--drafter rest:DIR)")
     drafting = [s for s, c in controllers.items() if not isinstance(c, ReferenceOracle)
                 and c.max_draft() > 0]
     if not retrieval and draft_spec is None and (drafting or "oracle" in specs):

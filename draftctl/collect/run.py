@@ -36,6 +36,7 @@ from draftctl.models import (
     model_file_sha256,
 )
 from draftctl.prompts import load_prompts
+from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
 
 MODES = ("probe", "policy", "dense")
 
@@ -44,6 +45,7 @@ MODES = ("probe", "policy", "dense")
 class CollectConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
+    drafter: str | None = None  # rest:DIR: retrieval drafts (probe or policy mode)
     prompts: str | None = None  # JSONL or datasets folder; default: draftctl's prompt set
     split: str = "train"
     limit: int | None = None
@@ -66,6 +68,11 @@ class CollectConfig:
             raise DraftctlError(f"k_probe must be >= 1, got {self.k_probe}")
         if self.mode == "dense" and self.temperature != 0:
             raise DraftctlError("dense mode replays greedy decoding: set temperature 0")
+        if self.drafter is not None and not is_retrieval(self.drafter):
+            raise DraftctlError(f"unknown drafter {self.drafter!r}: use rest:DIR (or --draft)")
+        if is_retrieval(self.drafter) and self.mode == "dense":
+            raise DraftctlError("dense mode follows a draft model's greedy chain; with "
+                                "--drafter rest:DIR use --mode probe or policy")
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.k_probe,
@@ -167,12 +174,15 @@ def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int,
 
 
 def _run_info(cfg: CollectConfig, draft_spec: str, costs: dict, world: int) -> dict:
+    retrieval = is_retrieval(draft_spec)
     return {
         "mode": "dense" if cfg.mode == "dense" else "rounds",
+        "drafter": "retrieval" if retrieval else "model",
         "policy": {"probe": f"static:{cfg.k_probe}", "policy": cfg.controller,
                    "dense": "dense"}[cfg.mode],
         "target": cfg.target, "target_sha256": model_file_sha256(cfg.target),
-        "draft": draft_spec, "draft_sha256": model_file_sha256(draft_spec),
+        "draft": draft_spec,
+        "draft_sha256": None if retrieval else model_file_sha256(draft_spec),
         "decoding": {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
                      "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed},
         "k_probe": cfg.k_probe, "prompts": cfg.prompts or "draftctl built-in prompts",
@@ -184,7 +194,7 @@ def _run_info(cfg: CollectConfig, draft_spec: str, costs: dict, world: int) -> d
     }
 
 
-_COMPATIBLE = ("mode", "policy", "target", "draft", "decoding", "k_probe", "prompts", "split",
+_COMPATIBLE = ("mode", "drafter", "policy", "target", "draft", "decoding", "k_probe", "prompts", "split",
                "feature_schema_version")
 
 
@@ -195,14 +205,21 @@ def run_collect(cfg: CollectConfig) -> dict:
     (out / "shards").mkdir(parents=True, exist_ok=True)
     if world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    draft_spec = cfg.draft or default_draft(cfg.target)
+    retrieval = is_retrieval(cfg.drafter)
+    draft_spec = cfg.drafter if retrieval else cfg.draft or default_draft(cfg.target)
     if draft_spec is None:
         raise DraftctlError(f"no draft for {cfg.target!r}: pass --draft SPEC")
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit,
                            cfg.per_category)[rank::world]
     target = load_model(cfg.target, cfg.device)
-    draft = load_model(draft_spec, target.device, target=target)
-    decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config())
+    if retrieval:
+        retriever = make_retriever(draft_spec, target.tokenizer)
+        decoder = retrieval_decoder(target, retriever, cfg.decode_config())
+        cost_sizes = retriever.config.max_nodes + 1  # the last token and every trie node
+    else:
+        draft = load_model(draft_spec, target.device, target=target)
+        decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config())
+        cost_sizes = cfg.k_probe + 1
     encoded = {p.question_id: encode_prompt(target.tokenizer, p.text) for p in prompts}
 
     info_path = out / "run.json"
@@ -215,8 +232,9 @@ def run_collect(cfg: CollectConfig) -> dict:
                                 f"{', '.join(changed)}); use a new --out")
     else:
         context = next(iter(encoded.values()), [1] * 64)
-        context = (context * (1 + 64 // len(context)))[: max(64, cfg.k_probe + 2)]
-        info = _run_info(cfg, draft_spec, measure_costs(decoder, context, cfg.k_probe + 1), world)
+        size = max(64, cost_sizes + 1)
+        context = (context * (1 + size // len(context)))[:size]
+        info = _run_info(cfg, draft_spec, measure_costs(decoder, context, cost_sizes), world)
         if rank == 0:
             tmp = info_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(info, indent=2))
@@ -241,7 +259,8 @@ def run_collect(cfg: CollectConfig) -> dict:
         else:
             rows = []
             for record in decoder.rounds(ids, controller):
-                rows += round_rows(record, run_id, prompt.question_id, prompt.category)
+                rows += round_rows(record, run_id, prompt.question_id, prompt.category,
+                                   retrieval)
                 tokens += len(record.new_tokens)
                 drafted += record.drafted
                 accepted += record.n_accepted

@@ -11,6 +11,12 @@ Two kinds of trace, told apart by ``run.json``'s ``mode``:
   accepted), ``reached`` (every earlier token of its round was accepted), ``accept_prob``
   (``min(1, p/q)``), ``beta`` (``sum min(p, q)``), ``target_top1_match``, and the round's
   ``round_accepted`` / ``round_drafted`` / ``draft_time_s`` / ``verify_time_s``.
+  ``node`` / ``parent`` give each token's index in its round and its parent's (-1 under the
+  root): a chain for model drafts, a trie for retrieval drafts, where ``position`` is the
+  node's depth, ``reached`` means its parent was accepted (or it hangs under the root) and
+  ``target_top1_match`` that its token is the target's argmax after its parent. A retrieval
+  round whose lookup found nothing still costs a lookup and a target pass: it gets one row
+  with ``node`` -1 and ``reached`` false (no token; training skips it, replay counts it).
 - ``dense`` (greedy only): for every position ``round`` of the target's greedy output, the
   draft's ``K_probe``-token greedy continuation; ``match_len`` is how many of its leading
   tokens the target agrees with. Replay is exact: greedy SD is lossless, so any controller's
@@ -36,7 +42,7 @@ ROUND_LABELS = {"draft_token": pa.int64(), "accepted": pa.bool_(), "reached": pa
                 "accept_prob": pa.float64(), "beta": pa.float64(),
                 "target_top1_match": pa.bool_(), "round_accepted": pa.int32(),
                 "round_drafted": pa.int32(), "draft_time_s": pa.float64(),
-                "verify_time_s": pa.float64()}
+                "verify_time_s": pa.float64(), "node": pa.int32(), "parent": pa.int32()}
 DENSE_LABELS = {"draft_token": pa.int64(), "target_token": pa.int64(),
                 "match_len": pa.int32(), "output_len": pa.int32()}
 
@@ -50,18 +56,33 @@ class TraceError(DraftctlError):
     """A trace folder or shard that cannot be read."""
 
 
-def round_rows(record: RoundRecord, run_id: str, prompt_id: int, category: str) -> list[dict]:
-    """One row per drafted token of a round."""
+def round_rows(record: RoundRecord, run_id: str, prompt_id: int, category: str,
+               retrieval: bool = False) -> list[dict]:
+    """One row per drafted token (chain) or trie node (retrieval) of a round."""
+    if retrieval and not record.drafted:
+        return [{"run_id": run_id, "prompt_id": prompt_id, "category": category,
+                 "round": record.index, "position": 0, **dict.fromkeys(FEATURE_NAMES, 0.0),
+                 "draft_token": -1, "accepted": False, "reached": False, "accept_prob": 0.0,
+                 "beta": float("nan"), "target_top1_match": False, "round_accepted": 0,
+                 "round_drafted": 0, "draft_time_s": record.draft_time_s,
+                 "verify_time_s": record.verify_time_s, "node": -1, "parent": -1}]
+    parents = record.tree_parents or list(range(-1, record.drafted - 1))
+    accepted: list[bool] = []
     rows = []
     for i, (feature, token) in enumerate(zip(record.features, record.draft_tokens)):
+        parent = parents[i]
+        reached = parent < 0 or accepted[parent]
+        match = token == record.target_argmax[i]
+        accepted.append(reached and (match if record.tree_parents else i < record.n_accepted))
         rows.append({
             "run_id": run_id, "prompt_id": prompt_id, "category": category,
-            "round": record.index, "position": i + 1, **feature.as_row(),
-            "draft_token": token, "accepted": i < record.n_accepted,
-            "reached": i <= record.n_accepted, "accept_prob": record.accept_prob[i],
-            "beta": record.beta[i], "target_top1_match": token == record.target_argmax[i],
-            "round_accepted": record.n_accepted, "round_drafted": record.drafted,
-            "draft_time_s": record.draft_time_s, "verify_time_s": record.verify_time_s,
+            "round": record.index, "position": feature.draft_pos, **feature.as_row(),
+            "draft_token": token, "accepted": accepted[i], "reached": reached,
+            "accept_prob": record.accept_prob[i],
+            "beta": record.beta[i] if record.beta else float("nan"),
+            "target_top1_match": match, "round_accepted": record.n_accepted,
+            "round_drafted": record.drafted, "draft_time_s": record.draft_time_s,
+            "verify_time_s": record.verify_time_s, "node": i, "parent": parent,
         })
     return rows
 

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TOP_K = 10
+
+# Retrieval (REST) drafts only; 0 for model drafts.
+RETRIEVAL_FEATURES = ("suffix_len", "occurrences", "node_share", "token_share")
 
 FEATURE_NAMES: tuple[str, ...] = (
     "draft_pos",
@@ -29,6 +32,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "prev_accepted",
     "prev_drafted",
     "accept_rate",
+    *RETRIEVAL_FEATURES,
 )
 
 
@@ -44,6 +48,15 @@ class FeatureRecord:
     prev_accepted, prev_drafted: the previous round's accepted and drafted counts (0 at first).
     accept_rate: running acceptance rate of the sequence, Laplace-smoothed:
         ``(accepted + 1) / (drafted + 2)`` over earlier rounds (0.5 before any draft).
+
+    Retrieval drafts (a trie of datastore continuations, ``draft_pos`` = node depth) have no
+    draft model: their distribution is the trie's, ``q(child) = count(child) /
+    count(parent)``, and the distribution features describe the children of the node's
+    parent (see ``draftctl.retrieval.features``). They also fill:
+    suffix_len: length of the context suffix found in the datastore.
+    occurrences: how many continuations of it were counted.
+    node_share: ``count(node) / occurrences``, the share of continuations through the node.
+    token_share: ``count(node) / count(parent)``, the trie's q of the node's token.
     """
 
     draft_pos: int
@@ -54,6 +67,18 @@ class FeatureRecord:
     prev_accepted: int
     prev_drafted: int
     accept_rate: float
+    suffix_len: int = 0
+    occurrences: int = 0
+    node_share: float = 0.0
+    token_share: float = 0.0
+
+    @classmethod
+    def from_vector(cls, values) -> FeatureRecord:
+        """Inverse of ``to_vector`` (e.g. a trace row's feature columns, in order)."""
+        v = [float(x) for x in values]
+        n = len(FEATURE_NAMES) - len(RETRIEVAL_FEATURES)
+        return cls(int(v[0]), int(v[1]), v[2], tuple(v[3:3 + TOP_K]), v[n - 4], int(v[n - 3]),
+                   int(v[n - 2]), v[n - 1], int(v[n]), int(v[n + 1]), v[n + 2], v[n + 3])
 
     @property
     def top1_prob(self) -> float:
@@ -68,7 +93,8 @@ class FeatureRecord:
         """Values in ``FEATURE_NAMES`` order."""
         return [float(self.draft_pos), float(self.seq_pos), self.entropy, *self.top_probs,
                 self.margin, self.cum_top1, float(self.prev_accepted),
-                float(self.prev_drafted), self.accept_rate]
+                float(self.prev_drafted), self.accept_rate, float(self.suffix_len),
+                float(self.occurrences), self.node_share, self.token_share]
 
     def as_row(self) -> dict[str, float]:
         """A flat mapping ``FEATURE_NAMES -> value``, the collector's row layout."""

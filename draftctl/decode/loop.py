@@ -78,6 +78,9 @@ class RoundRecord:
     new_tokens: tokens appended to the output: accepted drafts then the correction or bonus
         token, cut after EOS.
     discarded: draft tokens the controller dropped before verification (p-min).
+    tree_parents: retrieval drafts only: each draft token's parent index (-1 under the root);
+        the tokens form a trie, ``target_argmax`` is the target's argmax after each token's
+        parent, and ``accept_prob`` is 1.0 on the accepted path. Empty for a chain.
     """
 
     index: int
@@ -94,6 +97,7 @@ class RoundRecord:
     verify_time_s: float
     controller_time_s: float
     controller_calls: int
+    tree_parents: list[int] = field(default_factory=list)
 
     @property
     def drafted(self) -> int:

@@ -8,6 +8,10 @@ accepted while its token is the target's argmax after its parent; the argmax aft
 accepted node is the bonus token. Only the accepted path's keys and values stay in the cache.
 The output is token-identical to plain greedy decoding. Sampling is refused: a lossless
 multi-candidate rule for trie drafts is not implemented.
+
+Controllers: the round's budget (``max_draft``) caps the trie's depth; a controller that reads
+features then prunes the trie node by node (``draftctl.retrieval.features.prune``), each node
+described by the trie's own distribution and the retrieval features.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import numpy as np
 import torch
 
 from draftctl.controllers.base import Controller
-from draftctl.controllers.rules import NoDraft, Static
+from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.features import SequenceState
 from draftctl.decode.loop import DecodeConfig, RoundRecord, SpeculativeDecoder
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel
+from draftctl.retrieval.features import prune, trie_records, tried_chain
 from draftctl.retrieval.retriever import Candidates, Retriever
 
 
@@ -54,8 +60,8 @@ def accepted_path(tokens: np.ndarray, parents: np.ndarray, argmax: list[int]) ->
 class RetrievalDecoder:
     """Batch-size-1 greedy decoder whose drafts come from a ``Retriever``.
 
-    Controllers: ``none`` and ``static:K`` (K caps the trie depth); feature-reading
-    controllers need a draft model's distributions, which retrieval does not give.
+    Every controller but the oracle applies: its budget caps the trie depth (``static:K``)
+    and, if it reads features, it prunes the trie node by node.
     """
 
     drafter = None
@@ -85,10 +91,9 @@ class RetrievalDecoder:
 
     def rounds(self, prompt_ids: Sequence[int], controller: Controller,
                seed: int | None = None) -> Iterator[RoundRecord]:
-        if not isinstance(controller, NoDraft | Static):
-            raise DecodeInputError(
-                f"controller {controller.spec or controller!r} does not apply to retrieval "
-                "drafts: use none or static:K (K caps the depth of the candidate trie)")
+        if isinstance(controller, ReferenceOracle):
+            raise DecodeInputError("the oracle follows a model draft's chain; it does not "
+                                   "apply to retrieval drafts")
         self.check_prompt(prompt_ids)
         cfg = self.config
         seq = list(prompt_ids)
@@ -97,40 +102,52 @@ class RetrievalDecoder:
         if len(seq) > 1:
             self.target.forward(torch.tensor(seq[:-1], device=self.device), last_only=True)
         produced, index = 0, 0
+        state = SequenceState(len(seq))
         while produced < cfg.max_new_tokens and len(seq) < self.context_length:
             budget = min(controller.max_draft(), cfg.max_draft,
                          cfg.max_new_tokens - produced - 1, self.context_length - len(seq) - 1)
             trie = self.retriever.lookup(seq, max_depth=budget) if budget > 0 \
                 else Candidates.empty()
             start = time.perf_counter()
-            path, bonus = self._verify(seq, trie)
+            records = trie_records(trie, state)
+            calls = 0
+            if controller.reads_features and len(trie):
+                keep, calls = prune(records, trie.parents.tolist(), controller)
+                trie = trie.select(keep)
+                records = [r for r, kept in zip(records, keep) if kept]
+            controller_s = time.perf_counter() - start
+            start = time.perf_counter()
+            path, argmax = self._verify(seq, trie)
             verify_s = time.perf_counter() - start
-            new = [int(t) for t in trie.tokens[path]] + [bonus]
+            parents = trie.parents.tolist()
+            new = [int(t) for t in trie.tokens[path]] + [argmax[path[-1] + 1 if path else 0]]
             eos_at = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
             if eos_at is not None:
                 new = new[: eos_at + 1]
             on_path = set(path)
             yield RoundRecord(
-                index=index, draft_tokens=trie.tokens.tolist(), features=[],
+                index=index, draft_tokens=trie.tokens.tolist(), features=records,
                 n_accepted=len(path),
                 accept_prob=[float(k in on_path) for k in range(len(trie))], beta=[],
-                target_argmax=[], new_tokens=new, discarded=0, draft_forwards=0,
-                draft_time_s=trie.lookup_s, verify_time_s=verify_s, controller_time_s=0.0,
-                controller_calls=0)
-            controller.observe([], len(path))
+                target_argmax=[argmax[p + 1] for p in parents], new_tokens=new, discarded=0,
+                draft_forwards=0, draft_time_s=trie.lookup_s, verify_time_s=verify_s,
+                controller_time_s=controller_s, controller_calls=calls, tree_parents=parents)
+            controller.observe([records[k] for k in tried_chain(path, parents)], len(path))
             seq += new
             produced += len(new)
             index += 1
+            state = state.after_round(len(seq), len(trie), len(path))
             if eos_at is not None:
                 return
 
-    def _verify(self, seq: list[int], trie: Candidates) -> tuple[list[int], int]:
+    def _verify(self, seq: list[int], trie: Candidates) -> tuple[list[int], list[int]]:
         """One target pass over the last token and the trie; keeps the accepted path's cache
-        entries. Returns the accepted node indices and the bonus token."""
+        entries. Returns the accepted node indices and the target's argmax after the root
+        (index 0) and after each node (index k + 1)."""
         cached = len(seq) - 1
         last = torch.tensor([seq[-1]], device=self.device)
         if len(trie) == 0:
-            return [], int(self.target.forward(last, last_only=True)[0].argmax())
+            return [], [int(self.target.forward(last, last_only=True)[0].argmax())]
         tokens = torch.cat([last, torch.as_tensor(trie.tokens, device=self.device)])
         positions = cached + torch.as_tensor(np.r_[0, trie.depths], device=self.device)
         allowed = torch.cat([torch.ones(len(tokens), cached, dtype=torch.bool),
@@ -138,4 +155,4 @@ class RetrievalDecoder:
         argmax = self.target.forward_masked(tokens, positions, allowed).argmax(dim=-1).tolist()
         path = accepted_path(trie.tokens, trie.parents, argmax)
         self.target.keep(cached, [0] + [k + 1 for k in path])
-        return path, argmax[path[-1] + 1 if path else 0]
+        return path, argmax

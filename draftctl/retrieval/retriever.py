@@ -55,6 +55,17 @@ class Candidates:
         z = np.zeros(0, dtype=np.int64)
         return cls(z, z, z, z)
 
+    def select(self, keep: np.ndarray) -> Candidates:
+        """The nodes where ``keep`` is true (a kept node's parent must be kept too)."""
+        index = np.flatnonzero(keep)
+        position = np.full(len(self) + 1, -1)
+        position[index] = np.arange(len(index))
+        parents = self.parents[index]
+        if (parents >= 0).any() and (position[parents[parents >= 0]] < 0).any():
+            raise ValueError("select() would keep a node without its parent")
+        return Candidates(self.tokens[index], position[parents], self.depths[index],
+                          self.counts[index], self.match_len, self.occurrences, self.lookup_s)
+
 
 def build_trie(rows: np.ndarray, max_nodes: int) -> Candidates:
     """The ``max_nodes`` most frequent prefixes of ``rows`` (n, depth) as a trie; -1 pads

@@ -3,7 +3,9 @@
 Each example is a drafted token that was *reached* (every earlier token of its round was
 accepted); its label is whether the target accepted it: 0/1 in greedy mode, the soft
 ``accept_prob = min(1, p/q)`` when sampling. In dense traces, token ``j`` of the continuation
-at ``t`` is reached when ``match_len >= j - 1`` and accepted when ``match_len >= j``.
+at ``t`` is reached when ``match_len >= j - 1`` and accepted when ``match_len >= j``. In
+retrieval traces a trie node is reached when its parent was accepted (or it hangs under the
+root): the label is then whether its token is the target's argmax after the parent.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from draftctl.collect.traces import TraceError, read_traces
-from draftctl.decode.features import FEATURE_NAMES
+from draftctl.decode.features import FEATURE_NAMES, RETRIEVAL_FEATURES
 from draftctl.prompts import split_of
 
 # Features that describe the sequence's history. Dense traces hold placeholders there (the
@@ -39,9 +41,11 @@ class Examples:
 
 
 def default_features(info: dict) -> tuple[str, ...]:
-    if info["mode"] == "dense":
-        return tuple(f for f in FEATURE_NAMES if f not in HISTORY_FEATURES)
-    return FEATURE_NAMES
+    """All features the traces carry: no history placeholders (dense traces), no retrieval
+    features for model drafts (they are 0 there)."""
+    left_out = (HISTORY_FEATURES if info["mode"] == "dense" else ()) + (
+        () if info.get("drafter") == "retrieval" else RETRIEVAL_FEATURES)
+    return tuple(f for f in FEATURE_NAMES if f not in left_out)
 
 
 def load_examples(folder: str | Path, features: tuple[str, ...] | None = None) -> Examples:

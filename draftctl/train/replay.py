@@ -10,8 +10,15 @@ Round traces (probe or on-policy, e.g. sampling) replay in expectation: the cont
 ``sum_{i<=L} prod_{j<=i} a_j`` with ``a_j`` the recorded ``beta`` (sampling) or the realised
 ``accepted`` outcome (greedy). History features are the recorded ones there.
 
+Retrieval round traces (``--drafter rest:DIR``) hold each round's trie with, per node, whether
+its token is the target's argmax after its parent. A controller caps the depth and prunes the
+trie node by node as the decoder does (``draftctl.retrieval.features.prune``); the round
+accepts the longest path of matching kept nodes. Each recorded round is replayed on its own,
+so later rounds are the recorded ones.
+
 Time is modelled from the costs measured at collection (``run.json``): a round that drafts
 ``L`` tokens with ``F`` draft forwards takes ``F t_draft + t_verify(L + 1) + calls t_ctrl``;
+a retrieval round takes its recorded lookup time plus ``t_verify(nodes + 1) + calls t_ctrl``;
 plain decoding takes ``t_verify(1)`` per token. ``oracle`` drafts exactly what is accepted.
 """
 
@@ -26,7 +33,8 @@ import numpy as np
 
 from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import Action, Controller, make_controller
-from draftctl.decode.features import FEATURE_NAMES, SequenceState, make_record
+from draftctl.decode.features import FEATURE_NAMES, FeatureRecord, SequenceState, make_record
+from draftctl.retrieval.features import prune, tried_chain
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class CostModel:
     @classmethod
     def from_run(cls, info: dict, t_controller: float = 0.0) -> CostModel:
         cost = info["cost"]
-        return cls(cost["t_draft_s"], tuple(cost["t_verify_s"]), t_controller)
+        return cls(cost.get("t_draft_s", 0.0), tuple(cost["t_verify_s"]), t_controller)
 
     def verify(self, n: int) -> float:
         """t_verify(n), extrapolated linearly past the measured range."""
@@ -112,7 +120,8 @@ def _prompt_groups(table) -> dict[int, dict[str, np.ndarray]]:
     columns = {name: table.column(name).to_numpy() for name in table.column_names
                if name not in ("run_id", "category")}
     categories = table.column("category").to_pylist()
-    order = np.lexsort((columns["position"], columns["round"], columns["prompt_id"]))
+    within = columns["node"] if "node" in columns else columns["position"]
+    order = np.lexsort((within, columns["round"], columns["prompt_id"]))
     groups: dict[int, dict] = {}
     prompt_ids = columns["prompt_id"][order]
     bounds = np.flatnonzero(np.diff(prompt_ids)) + 1
@@ -199,6 +208,60 @@ def replay_rounds_prompt(group: dict, controller: Controller | None, cost: CostM
     return result
 
 
+def replay_tree_prompt(group: dict, controller: Controller | None, cost: CostModel,
+                       spec: str) -> ReplayResult:
+    result = ReplayResult(spec)
+    if controller is not None:
+        controller.reset()
+    features = np.stack([group[name] for name in FEATURE_NAMES], axis=1)
+    bounds = np.flatnonzero(np.diff(group["round"])) + 1
+    for idx in np.split(np.arange(len(group["round"])), bounds):
+        lookup_s = float(group["draft_time_s"][idx[0]])
+        idx = idx[group["node"][idx] >= 0]  # an empty trie has a placeholder row only
+        parents = group["parent"][idx].astype(int)
+        match = group["target_top1_match"][idx].astype(bool)
+        records = [FeatureRecord.from_vector(v) for v in features[idx]]
+        calls = 0
+        if controller is None:  # oracle: exactly the accepted path
+            keep = _path_mask(parents, match, np.ones(len(idx), dtype=bool))
+        else:
+            keep = group["position"][idx] <= controller.max_draft()  # depth cap
+            if controller.reads_features and keep.any():
+                sub = np.flatnonzero(keep)  # parents before children: re-index in order
+                where = np.full(len(idx), -1)
+                where[sub] = np.arange(len(sub))
+                sub_parents = [int(where[p]) if p >= 0 else -1 for p in parents[sub]]
+                kept, calls = prune([records[k] for k in sub], sub_parents, controller)
+                keep = np.zeros(len(idx), dtype=bool)
+                keep[sub[kept]] = True
+        accepted = _path_mask(parents, match, keep)
+        path = np.flatnonzero(accepted).tolist()
+        drafted, n_accepted = int(keep.sum()), len(path)
+        if controller is not None:
+            kept = np.flatnonzero(keep)
+            where = np.full(len(idx), -1)
+            where[kept] = np.arange(len(kept))
+            kept_parents = [int(where[p]) if p >= 0 else -1 for p in parents[kept]]
+            chain = tried_chain([int(where[k]) for k in path], kept_parents)
+            controller.observe([records[kept[k]] for k in chain], n_accepted)
+        result.rounds += 1
+        result.tokens += n_accepted + 1
+        result.drafted += drafted
+        result.accepted += n_accepted
+        result.controller_calls += calls
+        result.time_s += lookup_s + cost.verify(drafted + 1) + calls * cost.t_controller
+    result.ar_time_s = result.tokens * cost.verify(1)
+    return result
+
+
+def _path_mask(parents: np.ndarray, match: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Nodes on the accepted path: kept, matching, and under an accepted parent (or root)."""
+    accepted = np.zeros(len(parents), dtype=bool)
+    for k, parent in enumerate(parents):
+        accepted[k] = keep[k] and match[k] and (parent < 0 or accepted[parent])
+    return accepted
+
+
 class TraceSet:
     """A trace folder read once, for replaying many controllers."""
 
@@ -234,7 +297,9 @@ def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller
         total = ReplayResult(spec)
         by_category: dict[str, ReplayResult] = {}
         for group in groups.values():
-            if info["mode"] == "dense":
+            if info.get("drafter") == "retrieval":
+                part = replay_tree_prompt(group, controller, cost, spec)
+            elif info["mode"] == "dense":
                 part = replay_dense_prompt(group, controller, cost, info["k_probe"],
                                            info["decoding"]["max_new_tokens"], spec)
             else:

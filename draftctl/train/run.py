@@ -127,7 +127,9 @@ def run_train(cfg: TrainConfig) -> dict:
     manifest = {
         "kind": cfg.kind, "features": list(features), "schema_version": SCHEMA_VERSION,
         "threshold": threshold, "rule": "stop after a token whose predicted acceptance < threshold",
-        "cost_ratio": cost["t_draft_s"] / cost["t_target_s"], "traces": str(cfg.traces),
+        # None for retrieval traces: no draft model (lookup times are per round, in the rows)
+        "cost_ratio": cost["t_draft_s"] / cost["t_target_s"] if "t_draft_s" in cost else None,
+        "traces": str(cfg.traces),
         "data_sha256": data_hash.hexdigest(), "target": traces.info["target"],
         "draft": traces.info["draft"], "seed": cfg.seed,
         "metrics": {"train": classification_metrics(model.predict(train.X), train.y),

@@ -1,0 +1,88 @@
+"""Controllers on retrieval drafts: a feature record per trie node, and pruning by controller.
+
+A trie has no draft model, but its counts give a deterministic draft distribution: below a
+node (or the root), ``q(child) = count(child) / count(node)``, the rest of the mass being
+continuations that end there or were cut from the trie. A node's record carries that
+distribution at its parent (entropy, top probabilities, ``cum_top1`` along its path) and the
+retrieval features of ``FeatureRecord``, so every controller reads a trie node as it reads a
+drafted token, and a learned controller can be fitted on retrieval traces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from draftctl.controllers.base import Action, Controller
+from draftctl.decode.features import TOP_K, FeatureRecord, SequenceState
+from draftctl.retrieval.retriever import Candidates
+
+
+def _children_stats(shares: np.ndarray) -> tuple[float, tuple[float, ...]]:
+    """Entropy (nats, the leftover mass as one outcome) and top-``TOP_K`` of a node's
+    children distribution."""
+    q = np.sort(shares)[::-1]
+    probs = np.r_[q, max(0.0, 1.0 - float(q.sum()))]
+    probs = probs[probs > 0]
+    entropy = float(-(probs * np.log(probs)).sum())
+    top = np.zeros(TOP_K)
+    top[:min(TOP_K, len(q))] = q[:TOP_K]
+    return entropy, tuple(float(x) for x in top)
+
+
+def trie_records(trie: Candidates, state: SequenceState) -> list[FeatureRecord]:
+    """One record per node of ``trie``, in its order (parents before children)."""
+    if len(trie) == 0:
+        return []
+    counts = trie.counts.astype(np.float64)
+    parents = trie.parents
+    total = float(max(trie.occurrences, int(counts[parents < 0].sum()), 1))
+    parent_count = np.where(parents >= 0, counts[np.maximum(parents, 0)], total)
+    token_share = counts / parent_count
+    children: dict[int, list[int]] = {}
+    for k, parent in enumerate(parents.tolist()):
+        children.setdefault(parent, []).append(k)
+    stats = {parent: _children_stats(token_share[kids]) for parent, kids in children.items()}
+    records: list[FeatureRecord] = []
+    for k, parent in enumerate(parents.tolist()):
+        entropy, top = stats[parent]
+        cum = (records[parent].cum_top1 if parent >= 0 else 1.0) * top[0]
+        depth = int(trie.depths[k])
+        records.append(FeatureRecord(
+            draft_pos=depth, seq_pos=state.seq_len + depth - 1, entropy=entropy,
+            top_probs=top, cum_top1=cum, prev_accepted=state.prev_accepted,
+            prev_drafted=state.prev_drafted, accept_rate=state.accept_rate,
+            suffix_len=trie.match_len, occurrences=trie.occurrences,
+            node_share=float(counts[k] / total), token_share=float(token_share[k])))
+    return records
+
+
+def prune(records: Sequence[FeatureRecord], parents: Sequence[int],
+          controller: Controller) -> tuple[np.ndarray, int]:
+    """Ask ``controller`` about each node, parents first. ``DISCARD`` drops the node and its
+    subtree, ``STOP`` keeps the node but not its children, ``CONTINUE`` keeps it; nodes below
+    a dropped or stopped node are not asked. Returns (keep mask, decide calls)."""
+    n = len(records)
+    keep = np.zeros(n, dtype=bool)
+    grows = np.zeros(n, dtype=bool)  # may have children
+    calls = 0
+    for k, parent in enumerate(parents):
+        if parent >= 0 and not grows[parent]:
+            continue
+        calls += 1
+        action = controller.decide(records[k])
+        if action is Action.DISCARD:
+            continue
+        keep[k] = True
+        grows[k] = action is Action.CONTINUE
+    return keep, calls
+
+
+def tried_chain(path: Sequence[int], parents: Sequence[int]) -> list[int]:
+    """The accepted path plus, if the walk stopped at a node with children, its first child
+    (the most frequent continuation, which the target rejected): what a chain controller's
+    ``observe`` hears, as if that chain had been drafted."""
+    below = path[-1] if path else -1
+    rejected = next((k for k, p in enumerate(parents) if p == below), None)
+    return list(path) + ([rejected] if rejected is not None else [])
