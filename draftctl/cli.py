@@ -287,8 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "confidence,pmin,svip,oracle)")
     be.add_argument("--target")
     be.add_argument("--draft")
-    be.add_argument("--drafter", help="rest:DIR: retrieval drafts from a datastore (controllers "
-                                      "none and static:K, K = trie depth)")
+    be.add_argument("--drafter", help="rest:DIR: retrieval drafts from a datastore for every "
+                                      "controller; or give one controller a drafter of its own: "
+                                      "static:10@rest:DIR next to model-draft controllers")
     _decoding_flags(be)
     be.add_argument("--no-plots", action="store_true")
     be.add_argument("--out", help="output folder (default runs/bench)")

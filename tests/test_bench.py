@@ -83,6 +83,10 @@ def test_bench_refuses_bad_requests(pair, tmp_path):  # noqa: F811
         run_bench(BenchConfig(**base, controllers=["oracle"], temperature=0.8))
     with pytest.raises(Exception, match="listed twice"):
         run_bench(BenchConfig(**base, controllers=["static:2", "static:1-3"]))
+    with pytest.raises(Exception, match="name a drafter after '@'"):
+        run_bench(BenchConfig(**base, controllers=["static:2@"]))
+    with pytest.raises(Exception, match="unknown drafter 'ngram'"):
+        run_bench(BenchConfig(**base, controllers=["static:2@ngram"]))
 
 
 def test_bench_and_decode_with_a_rest_datastore(pair, tmp_path, capsys):  # noqa: F811
@@ -167,3 +171,15 @@ def test_retrieval_traces_train_a_trie_pruning_controller(pair, tmp_path):  # no
                            "--drafter", drafter, "--no-plots")) == 0
     bench = json.loads((out / "report.json").read_text())
     assert bench["mismatches"] == 0 and len(bench["controllers"]) == 3
+    # One run comparing the model draft, REST and AR: a controller names its own drafter.
+    out = tmp_path / "both"
+    assert main(bench_args(pair, out, "--controllers", f"static:1-2,static:6@{drafter}",
+                           "--no-plots")) == 0
+    bench = json.loads((out / "report.json").read_text())
+    draft = pair[1]
+    assert [(c["spec"], c["drafter"]) for c in bench["controllers"]] == [
+        ("static:1", draft), ("static:2", draft), (f"static:6@{drafter}", drafter)]
+    assert bench["mismatches"] == 0 and bench["draft"] == draft
+    rest_row = bench["controllers"][2]
+    assert rest_row["draft_forwards"] == 0 and rest_row["drafted"] > 0
+    assert "static:6@rest:ds,max_nodes=8" in (out / "report.md").read_text()

@@ -17,6 +17,15 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def short_spec(spec: str) -> str:
+    """A spec for tables: a ``@rest:DIR`` drafter shows its folder's name only."""
+    controller, at, drafter = spec.partition("@")
+    if drafter.startswith("rest:"):
+        folder, comma, options = drafter[len("rest:"):].partition(",")
+        drafter = f"rest:{Path(folder).name}{comma}{options}"
+    return f"{controller}{at}{drafter}"
+
+
 def format_table(report: dict) -> str:
     """Fixed-width table: AR first, then each controller."""
     head = (f"{'controller':<22}{'tok/s':>8}{'vs AR':>7}{'tau':>6}{'accept':>8}{'drafted':>9}"
@@ -26,7 +35,8 @@ def format_table(report: dict) -> str:
              (f"{'none (AR)':<22}{ar['tokens_per_s']:>8.1f}{1:>7.2f}{ar['tau']:>6.2f}"
               f"{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")]
     for r in report["controllers"]:
-        spec = r["spec"] if len(r["spec"]) <= 21 else "..." + r["spec"][-18:]
+        spec = short_spec(r["spec"])
+        spec = spec if len(spec) <= 21 else "..." + spec[-18:]
         lines.append(f"{spec:<22}{r['tokens_per_s']:>8.1f}{r['speedup_vs_ar']:>7.2f}"
                      f"{r['tau']:>6.2f}{_num(r['acceptance_rate'], '.2f'):>8}{r['drafted']:>9}"
                      f"{r['wasted']:>8}{_num(r['controller_us_per_call'], '.1f'):>9}"
@@ -50,7 +60,7 @@ def write_markdown(report: dict, path: Path) -> None:
              intro, "", header, "|---" * 11 + "|", ar_row]
     for r in report["controllers"]:
         lines.append(
-            f"| `{r['spec']}` | {r['tokens_per_s']:.2f} | {r['speedup_vs_ar']:.3f} | "
+            f"| `{short_spec(r['spec'])}` | {r['tokens_per_s']:.2f} | {r['speedup_vs_ar']:.3f} | "
             f"{r['tau']:.2f} | {_num(r['acceptance_rate'], '.3f')} | {r['drafted']} | "
             f"{r['wasted']} | {r['target_forwards']} | {r['draft_forwards']} | "
             f"{_num(r['controller_us_per_call'], '.1f')} | {r['mismatches']} |")
@@ -60,7 +70,7 @@ def write_markdown(report: dict, path: Path) -> None:
               "| AR tok/s | " + " | ".join(
                   f"{report['ar']['per_category'][c]['tokens_per_s']:.2f}" for c in cats) + " |"]
     for r in report["controllers"]:
-        lines.append(f"| `{r['spec']}` | " + " | ".join(
+        lines.append(f"| `{short_spec(r['spec'])}` | " + " | ".join(
             _num(r["per_category"].get(c, {}).get("speedup_vs_ar"), ".3f") for c in cats) + " |")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
@@ -114,7 +124,7 @@ def write_plots(report: dict, runs: list[Run], out: Path) -> list[Path]:
     for i, r in enumerate(report["controllers"]):
         values = [r["speedup_vs_ar"]] + [
             r["per_category"].get(c, {}).get("speedup_vs_ar") or 0 for c in cats]
-        ax.bar(np.arange(len(groups)) + i * width, values, width, label=r["spec"])
+        ax.bar(np.arange(len(groups)) + i * width, values, width, label=short_spec(r["spec"]))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, groups, rotation=20)
     ax.set_ylabel("speedup over AR (tokens/s)")
@@ -147,7 +157,8 @@ def write_plots(report: dict, runs: list[Run], out: Path) -> list[Path]:
                    for rnd in run.result.rounds]
         if lengths:
             counts = np.bincount(lengths)
-            ax.step(np.arange(len(counts)), counts / counts.sum(), where="mid", label=spec)
+            ax.step(np.arange(len(counts)), counts / counts.sum(), where="mid",
+                    label=short_spec(spec))
     ax.set_xlabel("accepted draft tokens in a round")
     ax.set_ylabel("share of rounds")
     ax.set_title("Accepted lengths")

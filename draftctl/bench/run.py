@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from draftctl.bench.report import write_answers, write_markdown, write_plots
 from draftctl.config import save_config
-from draftctl.controllers import expand_specs, make_controller
+from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode import DecodeConfig, DecodingOptions, SpeculativeDecoder, generate
 from draftctl.decode.loop import GenerationResult
@@ -22,6 +22,7 @@ from draftctl.prompts import load_prompts
 from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
+MODEL = "model"  # the draft model (--draft), as opposed to a rest:DIR drafter
 
 
 @dataclass
@@ -33,7 +34,8 @@ class BenchConfig(DecodingOptions):
     controllers: list[str] = field(default_factory=lambda: list(DEFAULT_CONTROLLERS))
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
-    drafter: str | None = None  # rest:DIR: retrieval drafts from a datastore, no draft model
+    # rest:DIR: retrieval drafts for every controller without its own @DRAFTER suffix
+    drafter: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     plots: bool = True
@@ -100,7 +102,8 @@ def _by_category(runs: list[Run]) -> dict[str, list[Run]]:
     return groups
 
 
-def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec: str) -> dict:
+def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec: str,
+                 drafter_of: dict[str, str] | None = None) -> dict:
     ar_runs = [r for r in runs if r.spec == "none"]
     ar = summarize(ar_runs, None)
     ar_by_cat = {cat: summarize(group, None) for cat, group in _by_category(ar_runs).items()}
@@ -108,7 +111,9 @@ def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec
     controllers = []
     for spec in specs:
         mine = [r for r in runs if r.spec == spec]
-        row = {"spec": spec, **summarize(mine, ar["tokens_per_s"])}
+        drafter = (drafter_of or {}).get(spec, MODEL)
+        row = {"spec": spec, "drafter": draft_spec if drafter == MODEL else drafter,
+               **summarize(mine, ar["tokens_per_s"])}
         row["per_category"] = {cat: summarize(group, ar_by_cat[cat]["tokens_per_s"])
                                for cat, group in _by_category(mine).items()}
         controllers.append(row)
@@ -138,18 +143,23 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         raise DraftctlError("the oracle needs greedy decoding (temperature 0): under sampling "
                             "the target's continuation is random")
     specs = [s for s in specs if s != "none"]
-    controllers = {spec: make_controller(spec) for spec in specs}
-    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit, cfg.per_category)
-    retrieval = is_retrieval(cfg.drafter)
-    if cfg.drafter is not None and not retrieval:
+    if cfg.drafter is not None and not is_retrieval(cfg.drafter):
         raise DraftctlError(f"unknown drafter {cfg.drafter!r}: use rest:DIR (or --draft)")
-    draft_spec = None if retrieval else cfg.draft or default_draft(cfg.target)
-    if retrieval and "oracle" in specs:
-        raise DraftctlError("the oracle follows a model draft's chain; it does not apply to "
-                            "retrieval drafts (--drafter rest:DIR)")
-    drafting = [s for s, c in controllers.items() if not isinstance(c, ReferenceOracle)
-                and c.max_draft() > 0]
-    if not retrieval and draft_spec is None and (drafting or "oracle" in specs):
+    drafter_of, controllers = {}, {}
+    for spec in specs:
+        controller_spec, drafter = split_drafter(spec)
+        drafter = drafter or cfg.drafter or MODEL
+        if drafter != MODEL and not is_retrieval(drafter):
+            raise DraftctlError(f"{spec}: unknown drafter {drafter!r}: use rest:DIR")
+        drafter_of[spec], controllers[spec] = drafter, make_controller(controller_spec)
+        if is_retrieval(drafter) and isinstance(controllers[spec], ReferenceOracle):
+            raise DraftctlError(f"{spec}: the oracle follows a model draft's chain; it does not "
+                                "apply to retrieval drafts")
+    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit, cfg.per_category)
+    uses_model = [s for s, d in drafter_of.items() if d == MODEL and (
+        isinstance(controllers[s], ReferenceOracle) or controllers[s].max_draft() > 0)]
+    draft_spec = cfg.draft or default_draft(cfg.target) if uses_model else None
+    if uses_model and draft_spec is None:
         raise DraftctlError(f"no draft model for {cfg.target!r}: pass --draft SPEC")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,25 +168,29 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     target = load_model(cfg.target, cfg.device, cfg.dtype)
     draft = load_model(draft_spec, target.device, cfg.dtype, target=target) if draft_spec \
         else None
-    retriever = make_retriever(cfg.drafter, target.tokenizer) if retrieval else None
+    retrievers = {d: make_retriever(d, target.tokenizer)
+                  for d in dict.fromkeys(drafter_of.values()) if d != MODEL}
 
-    def make_decoder(config: DecodeConfig):
-        if retriever is not None:
-            return retrieval_decoder(target, retriever, config)
+    def make_decoder(drafter: str, config: DecodeConfig):
+        if drafter != MODEL:
+            return retrieval_decoder(target, retrievers[drafter], config)
         return SpeculativeDecoder.from_loaded(target, draft, config)
 
-    decoder, warm = make_decoder(decode_config), make_decoder(DecodeConfig(max_new_tokens=2))
+    drafters = list(dict.fromkeys([MODEL, *drafter_of.values()]))
+    decoders = {d: make_decoder(d, decode_config) for d in drafters}
+    warm = {d: make_decoder(d, DecodeConfig(max_new_tokens=2)) for d in drafters}
     encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
-    warm_controller = make_controller("static:1" if draft is not None or retrieval else "none")
     for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):
-        generate(warm, ids, warm_controller)  # per-shape kernel set-up, untimed
+        for drafter, decoder in warm.items():  # per-shape kernel set-up, untimed
+            usable = drafter != MODEL or draft is not None
+            generate(decoder, ids, make_controller("static:1" if usable else "none"))
 
     runs: list[Run] = []
     bar = tqdm(total=len(prompts) * (len(specs) + 1), desc="bench", unit="run",
                disable=not progress)
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
-        reference = _run(decoder, target.tokenizer, prompt, ids, "none", make_controller("none"),
-                         None, greedy=decode_config.sampling.greedy)
+        reference = _run(decoders[MODEL], target.tokenizer, prompt, ids, "none",
+                         make_controller("none"), None, greedy=decode_config.sampling.greedy)
         runs.append(reference)
         bar.update()
         order = specs[i % len(specs):] + specs[:i % len(specs)]  # rotate: noise hits all alike
@@ -184,16 +198,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             controller = controllers[spec]
             if isinstance(controller, ReferenceOracle):
                 controller.set_reference(reference.result.output_ids)
-            runs.append(_run(decoder, target.tokenizer, prompt, ids, spec, controller,
-                             reference.result.output_ids, decode_config.sampling.greedy))
+            runs.append(_run(decoders[drafter_of[spec]], target.tokenizer, prompt, ids, spec,
+                             controller, reference.result.output_ids,
+                             decode_config.sampling.greedy))
             bar.update()
         ar_tps = sum(r.result.new_tokens for r in runs if r.spec == "none") / sum(
             r.result.wall_s for r in runs if r.spec == "none")
         bar.set_postfix(ar_tok_s=f"{ar_tps:.1f}")
     bar.close()
 
-    report = build_report(cfg, specs, runs,
-                          cfg.drafter if retrieval else draft.spec if draft is not None else "")
+    report = build_report(cfg, specs, runs, draft.spec if draft is not None else
+                          cfg.drafter or "", drafter_of)
     (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     write_markdown(report, out / "report.md")
     write_answers(runs, out / "answers", answer_name)

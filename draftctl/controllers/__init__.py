@@ -7,6 +7,7 @@ from draftctl.controllers.registry import (
     describe,
     expand_specs,
     make_controller,
+    split_drafter,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "describe",
     "expand_specs",
     "make_controller",
+    "split_drafter",
 ]

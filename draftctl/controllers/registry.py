@@ -96,17 +96,20 @@ def make_controller(spec: str) -> Controller:
 def expand_specs(specs: str | list[str]) -> list[str]:
     """Comma-separated or listed specs with integer ranges expanded: ``static:1-4`` gives
     ``static:1`` .. ``static:4``; ``svip:0.4,n_max=2-3`` gives two specs. Every spec is
-    checked (``ControllerSpecError`` names the bad one); unranged specs stay as written."""
+    checked (``ControllerSpecError`` names the bad one); unranged specs stay as written. A
+    ``@DRAFTER`` suffix (``split_drafter``) is kept on every spec it expands to."""
     specs = _split_specs(specs) if isinstance(specs, str) \
         else [one for text in specs for one in _split_specs(text)]
     out: list[str] = []
-    for spec in specs:
-        name, _, arg_text = spec.strip().partition(":")
+    for full in specs:
+        spec, drafter = split_drafter(full)
+        suffix = f"@{drafter}" if drafter else ""
+        name, _, arg_text = spec.partition(":")
         items = arg_text.split(",") if arg_text and name != "onnx" else []
         ranged = [i for i, item in enumerate(items) if re.fullmatch(r"(\w+=)?\d+-\d+", item)]
         if not ranged:
             make_controller(spec)
-            out.append(spec.strip())
+            out.append(spec + suffix)
             continue
         if len(ranged) > 1:
             raise ControllerSpecError(f"controller spec {spec!r}: only one range per spec")
@@ -118,8 +121,17 @@ def expand_specs(specs: str | list[str]) -> list[str]:
         for value in range(lo, hi + 1):
             expanded = f"{name}:{','.join([*items[:i], f'{key}{eq}{value}', *items[i + 1:]])}"
             make_controller(expanded)
-            out.append(expanded)
+            out.append(expanded + suffix)
     return out
+
+
+def split_drafter(spec: str) -> tuple[str, str | None]:
+    """``static:10@rest:DIR`` -> (``static:10``, ``rest:DIR``): a controller spec may name
+    the drafter it runs with (``bench`` compares drafters in one run); None when it does not."""
+    controller, at, drafter = spec.strip().partition("@")
+    if at and not drafter:
+        raise ControllerSpecError(f"controller spec {spec!r}: name a drafter after '@'")
+    return controller.strip(), drafter.strip() or None
 
 
 def _split_specs(text: str) -> list[str]:
