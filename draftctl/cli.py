@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from draftctl import __version__
 from draftctl.config import load_config
@@ -133,8 +134,15 @@ def _datastore(args: argparse.Namespace) -> int:
 
     if args.action != "build":
         raise DraftctlError(f"unknown datastore action {args.action!r}: use build")
-    manifest = build_datastore(load_tokenizer(args.target), args.out, args.corpus or (),
-                               args.dataset, tokenizer_spec=args.target)
+    corpus, responses = list(args.corpus or ()), list(args.responses or ())
+    if "chat" in corpus:
+        from draftctl.retrieval.chat import chat_responses
+
+        corpus.remove("chat")
+        responses.append(chat_responses(args.target, Path(args.out) / "chat-responses.jsonl",
+                                        args.prompts, args.split))
+    manifest = build_datastore(load_tokenizer(args.target), args.out, corpus, args.dataset,
+                               tokenizer_spec=args.target, responses=responses)
     print(f"datastore {args.out}: {manifest['tokens']:,} tokens from {manifest['documents']:,} "
           f"documents; use it with --drafter rest:{args.out}")
     return 0
@@ -299,8 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("action", choices=("build",))
     ds.add_argument("--target", default="smollm2-135m-instruct",
                     help="model spec whose tokenizer the datastore uses")
-    ds.add_argument("--corpus", nargs="*", help="files, folders (their text files) or stdlib "
-                                                "(the Python standard library's sources)")
+    ds.add_argument("--corpus", nargs="*", help="files, folders (their text files), stdlib "
+                                                "(the Python standard library's sources) or chat "
+                                                "(the target's responses to --prompts' train "
+                                                "split, generated once into OUT)")
+    ds.add_argument("--prompts", help="prompt set of the chat corpus (default: draftctl's own)")
+    ds.add_argument("--split", default="train", help="split of --prompts for the chat corpus")
+    ds.add_argument("--responses", nargs="+", metavar="FILE",
+                    help="responses JSONL files (e.g. draftctl distill's data/responses.jsonl) "
+                         "added as token documents")
     ds.add_argument("--dataset", help="a saved datasets folder with a text column")
     ds.add_argument("--out", required=True, help="datastore folder")
     ds.set_defaults(func=_datastore)

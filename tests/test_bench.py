@@ -183,3 +183,26 @@ def test_retrieval_traces_train_a_trie_pruning_controller(pair, tmp_path):  # no
     rest_row = bench["controllers"][2]
     assert rest_row["draft_forwards"] == 0 and rest_row["drafted"] > 0
     assert "static:6@rest:ds,max_nodes=8" in (out / "report.md").read_text()
+
+
+def test_chat_corpus_holds_the_targets_own_answers(pair, tmp_path, capsys):  # noqa: F811
+    target, _, prompts = pair
+    out = tmp_path / "chat"
+    assert main(["datastore", "build", "--target", target, "--corpus", "chat", "--prompts",
+                 prompts, "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    train = load_prompts(prompts, "train")
+    (source,) = manifest["responses"]
+    assert source["responses"] == len(train) and manifest["documents"] == len(train)
+    # On a train prompt the datastore holds the target's exact continuation: REST accepts it.
+    capsys.readouterr()
+    assert main(["decode", "--target", target, "--drafter", f"rest:{out}", "--controller",
+                 "static:8", "--prompt", train[0].text, "--max-new-tokens", "16", "--device",
+                 "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert sum(result["accepted_per_round"]) >= result["new_tokens"] // 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no ids here"}\n')
+    assert main(["datastore", "build", "--target", target, "--responses", str(bad), "--out",
+                 str(tmp_path / "x")]) == 2
+    assert "is not a responses file" in capsys.readouterr().err
