@@ -18,8 +18,11 @@ def _num(value, fmt: str) -> str:
 
 
 def short_spec(spec: str) -> str:
-    """A spec for tables: a ``@rest:DIR`` drafter shows its folder's name only."""
+    """A spec for tables: an ``onnx:`` model and a ``@rest:DIR`` drafter show their file and
+    folder names only."""
     controller, at, drafter = spec.partition("@")
+    if controller.startswith("onnx:"):
+        controller = f"onnx:{Path(controller[len('onnx:'):]).name}"
     if drafter.startswith("rest:"):
         folder, comma, options = drafter[len("rest:"):].partition(",")
         drafter = f"rest:{Path(folder).name}{comma}{options}"
@@ -28,16 +31,17 @@ def short_spec(spec: str) -> str:
 
 def format_table(report: dict) -> str:
     """Fixed-width table: AR first, then each controller."""
-    head = (f"{'controller':<22}{'tok/s':>8}{'vs AR':>7}{'tau':>6}{'accept':>8}{'drafted':>9}"
+    labels = [short_spec(r["spec"]) for r in report["controllers"]]
+    w = min(40, max([22, *(len(label) + 1 for label in labels)]))
+    head = (f"{'controller':<{w}}{'tok/s':>8}{'vs AR':>7}{'tau':>6}{'accept':>8}{'drafted':>9}"
             f"{'wasted':>8}{'ctrl us':>9}{'mismatch':>9}")
     ar = report["ar"]
     lines = [head, "-" * len(head),
-             (f"{'none (AR)':<22}{ar['tokens_per_s']:>8.1f}{1:>7.2f}{ar['tau']:>6.2f}"
+             (f"{'none (AR)':<{w}}{ar['tokens_per_s']:>8.1f}{1:>7.2f}{ar['tau']:>6.2f}"
               f"{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")]
-    for r in report["controllers"]:
-        spec = short_spec(r["spec"])
-        spec = spec if len(spec) <= 21 else "..." + spec[-18:]
-        lines.append(f"{spec:<22}{r['tokens_per_s']:>8.1f}{r['speedup_vs_ar']:>7.2f}"
+    for r, label in zip(report["controllers"], labels):
+        label = label if len(label) < w else "..." + label[-(w - 4):]
+        lines.append(f"{label:<{w}}{r['tokens_per_s']:>8.1f}{r['speedup_vs_ar']:>7.2f}"
                      f"{r['tau']:>6.2f}{_num(r['acceptance_rate'], '.2f'):>8}{r['drafted']:>9}"
                      f"{r['wasted']:>8}{_num(r['controller_us_per_call'], '.1f'):>9}"
                      f"{r['mismatches']:>9}")
