@@ -42,11 +42,16 @@ class Prompt:
     @property
     def task(self) -> str:
         """Spec-Bench task group: the eight MT-Bench categories report as ``mt_bench``."""
-        return "mt_bench" if self.category in MT_BENCH_CATEGORIES else self.category
+        return task_of(self.category)
 
     @property
     def split(self) -> str:
         return split_of(self.question_id)
+
+
+def task_of(category: str) -> str:
+    """Spec-Bench task group of a category: the eight MT-Bench ones are ``mt_bench``."""
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
 
 
 def split_of(question_id: int) -> str:

@@ -96,3 +96,10 @@ def test_several_splits_and_a_per_category_cap():
         load_prompts(split="train,val")
     with pytest.raises(PromptFileError, match="per_category must be > 0"):
         load_prompts(per_category=0)
+
+
+def test_mt_bench_categories_report_as_one_task():
+    from draftctl.prompts import task_of
+
+    assert [task_of(c) for c in ("writing", "coding", "stem", "qa", "rag")] == [
+        "mt_bench", "mt_bench", "mt_bench", "qa", "rag"]

@@ -34,6 +34,7 @@ import numpy as np
 from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import Action, Controller, make_controller
 from draftctl.decode.features import FEATURE_NAMES, FeatureRecord, SequenceState, make_record
+from draftctl.prompts import task_of
 from draftctl.retrieval.features import prune, tried_chain
 
 
@@ -305,7 +306,7 @@ def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller
             else:
                 part = replay_rounds_prompt(group, controller, cost, greedy, spec)
             total.add(part)
-            by_category.setdefault(group["category"], ReplayResult(spec)).add(part)
+            by_category.setdefault(task_of(group["category"]), ReplayResult(spec)).add(part)
         summary = total.summary()
         summary["per_category"] = {c: r.summary() for c, r in sorted(by_category.items())}
         results.append(summary)
