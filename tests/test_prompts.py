@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from draftctl.prompts import PromptFileError, load_prompts, split_of
+from draftctl.prompts import PromptFileError, load_prompts, split_of, task_of
 
 
 def test_builtin_prompt_set_has_every_task_in_every_split():
@@ -99,7 +99,5 @@ def test_several_splits_and_a_per_category_cap():
 
 
 def test_mt_bench_categories_report_as_one_task():
-    from draftctl.prompts import task_of
-
     assert [task_of(c) for c in ("writing", "coding", "stem", "qa", "rag")] == [
         "mt_bench", "mt_bench", "mt_bench", "qa", "rag"]
