@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from draftctl.decode.features import FEATURE_NAMES
 from draftctl.decode.loop import RoundRecord
 from draftctl.errors import DraftctlError
+from draftctl.retrieval.features import accepted_mask
 
 ID_COLUMNS = {"run_id": pa.string(), "prompt_id": pa.int64(), "category": pa.string(),
               "round": pa.int32(), "position": pa.int32()}
@@ -66,21 +67,24 @@ def round_rows(record: RoundRecord, run_id: str, prompt_id: int, category: str,
                  "beta": float("nan"), "target_top1_match": False, "round_accepted": 0,
                  "round_drafted": 0, "draft_time_s": record.draft_time_s,
                  "verify_time_s": record.verify_time_s, "node": -1, "parent": -1}]
-    parents = record.tree_parents or list(range(-1, record.drafted - 1))
-    accepted: list[bool] = []
+    match = [t == a for t, a in zip(record.draft_tokens, record.target_argmax)]
+    if record.tree_parents:
+        parents = record.tree_parents
+        accepted = accepted_mask(parents, match).tolist()
+    else:
+        parents = list(range(-1, record.drafted - 1))
+        accepted = [i < record.n_accepted for i in range(record.drafted)]
     rows = []
     for i, (feature, token) in enumerate(zip(record.features, record.draft_tokens)):
         parent = parents[i]
         reached = parent < 0 or accepted[parent]
-        match = token == record.target_argmax[i]
-        accepted.append(reached and (match if record.tree_parents else i < record.n_accepted))
         rows.append({
             "run_id": run_id, "prompt_id": prompt_id, "category": category,
             "round": record.index, "position": feature.draft_pos, **feature.as_row(),
             "draft_token": token, "accepted": accepted[i], "reached": reached,
             "accept_prob": record.accept_prob[i],
             "beta": record.beta[i] if record.beta else float("nan"),
-            "target_top1_match": match, "round_accepted": record.n_accepted,
+            "target_top1_match": match[i], "round_accepted": record.n_accepted,
             "round_drafted": record.drafted, "draft_time_s": record.draft_time_s,
             "verify_time_s": record.verify_time_s, "node": i, "parent": parent,
         })

@@ -145,12 +145,11 @@ def build_datastore(tokenizer, out: str | Path, corpus: Iterable[str] = (),
                 text.encode("utf-8")).hexdigest(), "tokens": len(ids)})
     token_docs, response_sources = read_responses_files(responses)
     vocab = len(tokenizer)
-    for doc in token_docs:
-        if doc and (min(doc) < 0 or max(doc) >= vocab):
+    for doc in filter(None, token_docs):
+        if min(doc) < 0 or max(doc) >= vocab:
             raise DatastoreError(f"a responses file holds token ids outside this tokenizer's "
                                  f"vocabulary (0..{vocab - 1}): written with another target?")
-        if doc:
-            chunks += [np.asarray(doc, dtype=np.uint32), np.array([SEPARATOR], dtype=np.uint32)]
+        chunks += [np.asarray(doc, dtype=np.uint32), np.array([SEPARATOR], dtype=np.uint32)]
     if not chunks:
         raise DatastoreError("the corpus holds no text")
     manifest = {"tokenizer": tokenizer_spec, "tokenizer_sha256": tokenizer_sha256(tokenizer),

@@ -58,17 +58,18 @@ def trie_records(trie: Candidates, state: SequenceState) -> list[FeatureRecord]:
     return records
 
 
-def prune(records: Sequence[FeatureRecord], parents: Sequence[int],
-          controller: Controller) -> tuple[np.ndarray, int]:
+def prune(records: Sequence[FeatureRecord], parents: Sequence[int], controller: Controller,
+          eligible: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """Ask ``controller`` about each node, parents first. ``DISCARD`` drops the node and its
     subtree, ``STOP`` keeps the node but not its children, ``CONTINUE`` keeps it; nodes below
-    a dropped or stopped node are not asked. Returns (keep mask, decide calls)."""
+    a dropped or stopped node are not asked, nor are nodes outside ``eligible`` (e.g. below a
+    depth cap), which are dropped. Returns (keep mask, decide calls)."""
     n = len(records)
     keep = np.zeros(n, dtype=bool)
     grows = np.zeros(n, dtype=bool)  # may have children
     calls = 0
     for k, parent in enumerate(parents):
-        if parent >= 0 and not grows[parent]:
+        if (parent >= 0 and not grows[parent]) or (eligible is not None and not eligible[k]):
             continue
         calls += 1
         action = controller.decide(records[k])
@@ -79,10 +80,23 @@ def prune(records: Sequence[FeatureRecord], parents: Sequence[int],
     return keep, calls
 
 
-def tried_chain(path: Sequence[int], parents: Sequence[int]) -> list[int]:
-    """The accepted path plus, if the walk stopped at a node with children, its first child
-    (the most frequent continuation, which the target rejected): what a chain controller's
-    ``observe`` hears, as if that chain had been drafted."""
+def accepted_mask(parents: Sequence[int], match: Sequence[bool],
+                  keep: np.ndarray | None = None) -> np.ndarray:
+    """The accepted path as a mask: nodes (among ``keep``) whose token is the target's argmax
+    after their parent (``match``) and whose parent is accepted or the root."""
+    accepted = np.zeros(len(parents), dtype=bool)
+    for k, parent in enumerate(parents):
+        accepted[k] = ((keep is None or keep[k]) and match[k]
+                       and (parent < 0 or accepted[parent]))
+    return accepted
+
+
+def tried_chain(path: Sequence[int], parents: Sequence[int],
+                kept: np.ndarray | None = None) -> list[int]:
+    """The accepted path plus, if the walk stopped at a node with (kept) children, its first
+    child (the most frequent continuation, which the target rejected): what a chain
+    controller's ``observe`` hears, as if that chain had been drafted."""
     below = path[-1] if path else -1
-    rejected = next((k for k, p in enumerate(parents) if p == below), None)
+    rejected = next((k for k, p in enumerate(parents)
+                     if p == below and (kept is None or kept[k])), None)
     return list(path) + ([rejected] if rejected is not None else [])

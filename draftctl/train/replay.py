@@ -35,7 +35,7 @@ from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import Action, Controller, make_controller
 from draftctl.decode.features import FEATURE_NAMES, FeatureRecord, SequenceState, make_record
 from draftctl.prompts import task_of
-from draftctl.retrieval.features import prune, tried_chain
+from draftctl.retrieval.features import accepted_mask, prune, tried_chain
 
 
 @dataclass(frozen=True)
@@ -224,27 +224,16 @@ def replay_tree_prompt(group: dict, controller: Controller | None, cost: CostMod
         records = [FeatureRecord.from_vector(v) for v in features[idx]]
         calls = 0
         if controller is None:  # oracle: exactly the accepted path
-            keep = _path_mask(parents, match, np.ones(len(idx), dtype=bool))
+            keep = accepted_mask(parents, match)
         else:
             keep = group["position"][idx] <= controller.max_draft()  # depth cap
             if controller.reads_features and keep.any():
-                sub = np.flatnonzero(keep)  # parents before children: re-index in order
-                where = np.full(len(idx), -1)
-                where[sub] = np.arange(len(sub))
-                sub_parents = [int(where[p]) if p >= 0 else -1 for p in parents[sub]]
-                kept, calls = prune([records[k] for k in sub], sub_parents, controller)
-                keep = np.zeros(len(idx), dtype=bool)
-                keep[sub[kept]] = True
-        accepted = _path_mask(parents, match, keep)
-        path = np.flatnonzero(accepted).tolist()
+                keep, calls = prune(records, parents, controller, eligible=keep)
+        path = np.flatnonzero(accepted_mask(parents, match, keep)).tolist()
         drafted, n_accepted = int(keep.sum()), len(path)
         if controller is not None:
-            kept = np.flatnonzero(keep)
-            where = np.full(len(idx), -1)
-            where[kept] = np.arange(len(kept))
-            kept_parents = [int(where[p]) if p >= 0 else -1 for p in parents[kept]]
-            chain = tried_chain([int(where[k]) for k in path], kept_parents)
-            controller.observe([records[kept[k]] for k in chain], n_accepted)
+            controller.observe([records[k] for k in tried_chain(path, parents, keep)],
+                               n_accepted)
         result.rounds += 1
         result.tokens += n_accepted + 1
         result.drafted += drafted
@@ -253,14 +242,6 @@ def replay_tree_prompt(group: dict, controller: Controller | None, cost: CostMod
         result.time_s += lookup_s + cost.verify(drafted + 1) + calls * cost.t_controller
     result.ar_time_s = result.tokens * cost.verify(1)
     return result
-
-
-def _path_mask(parents: np.ndarray, match: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """Nodes on the accepted path: kept, matching, and under an accepted parent (or root)."""
-    accepted = np.zeros(len(parents), dtype=bool)
-    for k, parent in enumerate(parents):
-        accepted[k] = keep[k] and match[k] and (parent < 0 or accepted[parent])
-    return accepted
 
 
 class TraceSet:
