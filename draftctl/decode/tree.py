@@ -29,7 +29,7 @@ from draftctl.decode.features import SequenceState
 from draftctl.decode.loop import DecodeConfig, RoundRecord, SpeculativeDecoder
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel
-from draftctl.retrieval.features import prune, trie_records, tried_chain
+from draftctl.retrieval.features import accepted_mask, prune, trie_records, tried_chain
 from draftctl.retrieval.retriever import Candidates, Retriever
 
 
@@ -46,15 +46,11 @@ def tree_pattern(parents: np.ndarray) -> torch.Tensor:
 
 def accepted_path(tokens: np.ndarray, parents: np.ndarray, argmax: list[int]) -> list[int]:
     """Greedy walk: node indices accepted from the root, given the target's argmax at the
-    root (``argmax[0]``) and after each node (``argmax[k + 1]``)."""
-    children: dict[int, dict[int, int]] = {}
-    for k, (token, parent) in enumerate(zip(tokens.tolist(), parents.tolist())):
-        children.setdefault(parent, {})[token] = k
-    path, node = [], -1
-    while (child := children.get(node, {}).get(argmax[node + 1])) is not None:
-        path.append(child)
-        node = child
-    return path
+    root (``argmax[0]``) and after each node (``argmax[k + 1]``). Parents come before their
+    children, so the accepted nodes in index order are the path."""
+    parents = parents.tolist()
+    match = [t == argmax[p + 1] for t, p in zip(tokens.tolist(), parents)]
+    return np.flatnonzero(accepted_mask(parents, match)).tolist()
 
 
 class RetrievalDecoder:
