@@ -18,22 +18,22 @@ from draftctl.models import default_draft
 def _decode(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "prompt", "target", "draft", "drafter", "controller", "max_new_tokens", "max_draft",
-        "verify_min", "temperature",
-        "top_k", "top_p", "seed", "device", "dtype")}
+        "pass_shape", "profile", "temperature", "top_k", "top_p", "seed", "device", "dtype")}
     if args.raw:
         overrides["chat"] = False
     job = load_config(DecodeJob, args.config, overrides)
     if args.controller is None and job.draft is None and job.drafter is None \
             and default_draft(job.target) is None:
         job.controller = "none"  # no draft model at hand: plain decoding
-    result, text = run_decode(job)
+    decoded = run_decode(job)
+    s = decoded.summary()
     if args.json:
-        print(json.dumps({"text": text, **result.summary()}))
+        print(json.dumps(s))
     else:
-        print(text)
-        s = result.summary()
+        print(decoded.text)
         print(f"\n[{s['new_tokens']} tokens in {s['wall_s']:.2f} s, {s['tokens_per_s']:.1f} tok/s, "
-              f"{s['rounds']} rounds, tau {s['tau']:.2f}, controller {job.controller}]",
+              f"{s['rounds']} rounds, tau {s['tau']:.2f}, controller {job.controller}; target "
+              f"{s['target_dtype']} {s['pass_shape']}, draft {s['draft_dtype']}]",
               file=sys.stderr)
     return 0
 
@@ -77,8 +77,8 @@ def _collect(args: argparse.Namespace) -> int:
     from draftctl.collect.run import CollectConfig, run_collect
 
     keys = ("target", "draft", "drafter", "prompts", "split", "limit", "per_category", "mode",
-            "controller",
-            "k_probe", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "device", "out")
+            "controller", "k_probe", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+            "device", "dtype", "pass_shape", "profile", "out")
     cfg = load_config(CollectConfig, args.config, {k: getattr(args, k) for k in keys})
     summary = run_collect(cfg)
     print(f"rank {summary['rank']}/{summary['world_size']}: {summary['collected']} of "
@@ -89,7 +89,7 @@ def _collect(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from draftctl.train.replay import replay
 
-    results = replay(args.traces, expand_specs(args.controllers))
+    results = replay(args.traces, expand_specs(args.controllers), profile=args.profile)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
@@ -104,12 +104,12 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from draftctl.bench.report import format_table
+    from draftctl.bench.report import format_table, setup_line
     from draftctl.bench.run import BenchConfig, run_bench
 
     keys = ("prompts", "split", "limit", "per_category", "target", "draft", "drafter",
-            "verify_min", "max_new_tokens",
-            "max_draft", "temperature", "top_k", "top_p", "seed", "device", "dtype", "out")
+            "pass_shape", "profile", "max_new_tokens", "max_draft", "temperature", "top_k",
+            "top_p", "seed", "device", "dtype", "out")
     overrides = {k: getattr(args, k) for k in keys}
     if args.controllers is not None:
         overrides["controllers"] = [args.controllers]
@@ -119,12 +119,37 @@ def _bench(args: argparse.Namespace) -> int:
     report = run_bench(cfg)
     print(f"\n{report['target']} with draft {report['draft'] or '-'}, {report['prompts']} "
           f"{report['split']} prompts, {cfg.max_new_tokens} new tokens at most")
+    print(setup_line(report))
     print(format_table(report))
     print(f"\nreport: {cfg.out}/report.md, report.json, plots and answers/")
+    if report["tree_mismatches"]:
+        print(f"draftctl bench: {report['tree_mismatches']} outputs of retrieval (tree) drafts "
+              "differ from plain greedy decoding: tree passes are not bit-exact (see README)",
+              file=sys.stderr)
     if report["mismatches"]:
         print(f"draftctl bench: {report['mismatches']} outputs differ from plain greedy "
               "decoding: a lossless decoder must not do that", file=sys.stderr)
         return 1
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from draftctl.profile import CalibrateConfig, calibrate, format_profile, sensitivity
+
+    overrides = {k: getattr(args, k) for k in ("target", "draft", "device", "max_n", "context",
+                                               "repeats", "acceptance", "out")}
+    if args.dtypes:
+        overrides["dtypes"] = args.dtypes.split(",")
+    profile, path = calibrate(load_config(CalibrateConfig, args.config, overrides))
+    if args.json:
+        print(json.dumps(profile, indent=2))
+        return 0
+    print(format_profile(profile))
+    print("\nmodelled speedup over the fastest plain decoding, by per-token acceptance:")
+    for row in sensitivity(profile):
+        print(f"  {row['acceptance']:.1f}: {row['speedup_vs_fastest_plain']:.2f}x with "
+              f"{row['dtype']}, fixed:{row['rows']}, static:{row['static_k']}")
+    print(f"\nprofile: {path}")
     return 0
 
 
@@ -200,13 +225,14 @@ def _decoding_flags(parser: argparse.ArgumentParser, max_draft: bool = True,
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", help="cpu, cuda or auto")
-    if max_draft:
-        parser.add_argument("--verify-min", type=int,
-                            help="pad verification passes of 2 or more tokens to N tokens, for "
-                                 "CPUs where 2-3 rows cost more than 4-5 (0: off, default)")
     if dtype:
-        parser.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on CUDA), "
-                                            "float32, ...")
+        parser.add_argument("--dtype", help="auto (default: each model's calibrated dtype, "
+                                            "from the profile), float32, bfloat16, ...")
+    parser.add_argument("--pass-shape", help="auto (default: every target pass padded to the "
+                                             "profile's M rows, bit-exact), fixed:M, or the "
+                                             "faster, not bit-exact cheapest / free")
+    parser.add_argument("--profile", help="a calibrated profile (default: this pair's, made by "
+                                          "draftctl calibrate, or measured on first use)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--mode", choices=("probe", "policy", "dense"))
     col.add_argument("--controller", help="policy for --mode policy")
     col.add_argument("--k-probe", type=int)
-    _decoding_flags(col, max_draft=False, dtype=False)
+    _decoding_flags(col, max_draft=False)
     col.add_argument("--out")
     col.set_defaults(func=_collect)
 
@@ -278,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--traces", required=True, help="a folder written by draftctl collect")
     rep.add_argument("--controllers", required=True, help="comma-separated specs, e.g. "
                                                            "static:4,svip,oracle")
+    rep.add_argument("--profile", help="model time with this calibrated profile's curve and "
+                                       "pass shape instead of the costs recorded at collection")
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_replay)
 
@@ -302,6 +330,25 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-plots", action="store_true")
     be.add_argument("--out", help="output folder (default runs/bench)")
     be.set_defaults(func=_bench)
+
+    cal = sub.add_parser("calibrate", help="measure pass costs per dtype; choose the dtypes "
+                                           "and the pass shape decoding uses")
+    cal.add_argument("--config", help="YAML file with any of these options")
+    cal.add_argument("--target", help="target model spec (default smollm2-135m-instruct)")
+    cal.add_argument("--draft", help="draft model spec (default: the target's shipped draft; "
+                                     "none: no draft)")
+    cal.add_argument("--device", help="cpu, cuda or auto")
+    cal.add_argument("--dtypes", help="comma-separated dtypes to measure (default: float32 and, "
+                                      "where the device has it, bfloat16)")
+    cal.add_argument("--max-n", type=int, help="largest pass measured, in new tokens (16)")
+    cal.add_argument("--context", type=int, help="cache length the passes run at (256)")
+    cal.add_argument("--repeats", type=int, help="interleaved timed repetitions (7)")
+    cal.add_argument("--acceptance", type=float,
+                     help="per-token acceptance the pass shape and dtype are chosen for (0.6)")
+    cal.add_argument("--out", help="profile file (default: the profile cache, where decode, "
+                                   "collect and bench find it)")
+    cal.add_argument("--json", action="store_true", help="print the profile as JSON")
+    cal.set_defaults(func=_calibrate)
 
     ds = sub.add_parser("datastore", help="build a REST datastore (suffix array over a corpus)")
     ds.add_argument("action", choices=("build",))

@@ -13,6 +13,7 @@ from draftctl.controllers import make_controller
 from draftctl.decode import DecodingOptions, GenerationResult, SpeculativeDecoder, generate
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
+from draftctl.profile import Setup, settle
 from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
 
 
@@ -28,37 +29,49 @@ class DecodeJob(DecodingOptions):
     drafter: str | None = None  # rest:DIR drafts from a datastore instead of a draft model
     controller: str = "static:4"
     device: str = "auto"
-    dtype: str = "auto"
     chat: bool = True
 
 
-def run_decode(job: DecodeJob) -> tuple[GenerationResult, str]:
-    """Decode one prompt; returns the result and the generated text."""
-    config = job.decode_config()  # validates numbers before any model loads
+@dataclass
+class Decoded:
+    """A finished ``decode`` job: the generation, its text, and what it ran with."""
+
+    result: GenerationResult
+    text: str
+    setup: Setup
+
+    def summary(self) -> dict:
+        return {"text": self.text, **self.result.summary(), **self.setup.describe()}
+
+
+def run_decode(job: DecodeJob) -> Decoded:
+    """Decode one prompt with the dtypes and pass shape the profile (or the job) sets."""
+    job.decode_config()  # validates numbers before any model loads
     controller = make_controller(job.controller)
     if not job.prompt.strip():
         raise JobError("the prompt is empty: pass --prompt TEXT")
-    if is_retrieval(job.drafter):
-        target = load_model(job.target, job.device, job.dtype)
-        decoder = retrieval_decoder(target, make_retriever(job.drafter, target.tokenizer),
-                                    config)
-        result = generate(decoder, encode_prompt(target.tokenizer, job.prompt, chat=job.chat),
-                          controller)
-        return result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-    if job.drafter is not None:
+    retrieval = is_retrieval(job.drafter)
+    if job.drafter is not None and not retrieval:
         raise JobError(f"unknown drafter {job.drafter!r}: use rest:DIR (or --draft for a model)")
-    draft_spec = job.draft or default_draft(job.target)
-    if controller.max_draft() > 0 and draft_spec is None:
+    draft_spec = None if retrieval else job.draft or default_draft(job.target)
+    if controller.max_draft() > 0 and draft_spec is None and not retrieval:
         raise JobError(f"controller {job.controller!r} drafts tokens, so it needs a draft "
                        "model: pass --draft SPEC (a model sharing the target's tokenizer), "
                        "or --controller none for plain decoding")
-    target = load_model(job.target, job.device, job.dtype)
-    draft = load_model(draft_spec, target.device, job.dtype, target=target) if draft_spec \
-        else None
-    decoder = SpeculativeDecoder.from_loaded(target, draft, config)
-    prompt_ids = encode_prompt(target.tokenizer, job.prompt, chat=job.chat)
-    result = generate(decoder, prompt_ids, controller)
-    return result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    setup = settle(job.target, draft_spec, job.device, job.dtype, job.pass_shape, job.profile)
+    config = job.decode_config(setup.shape)
+    target = load_model(job.target, job.device, setup.target_dtype)
+    if retrieval:
+        decoder = retrieval_decoder(target, make_retriever(job.drafter, target.tokenizer),
+                                    config)
+    else:
+        draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \
+            if draft_spec else None
+        decoder = SpeculativeDecoder.from_loaded(target, draft, config)
+    result = generate(decoder, encode_prompt(target.tokenizer, job.prompt, chat=job.chat),
+                      controller)
+    return Decoded(result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+                   setup)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from draftctl.console import notice
 from draftctl.errors import DraftctlError
 
 
@@ -89,15 +90,31 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def bfloat16_supported(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 natively (on CPU: oneDNN's AVX512-BF16 or AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ModelSpecError(f"unknown dtype {dtype!r}: use auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
+    """A dtype name as torch's dtype. ``auto`` here is bfloat16 on CUDA and float32 on CPU;
+    decoding jobs resolve ``auto`` from the calibrated profile instead (``draftctl.profile``).
+    bfloat16 on a CPU without bfloat16 instructions falls back to float32, with a notice."""
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if dtype not in _DTYPES:
+            raise ModelSpecError(f"unknown dtype {dtype!r}: use auto, "
+                                 f"{', '.join(sorted(_DTYPES))}")
+        dtype = _DTYPES[dtype]
+    if dtype == torch.bfloat16 and device.type == "cpu" and not bfloat16_supported(device):
+        notice("this CPU has no bfloat16 instructions: using float32")
+        return torch.float32
+    return dtype
 
 
 def default_draft(target_spec: str) -> str | None:
@@ -167,6 +184,10 @@ def load_model(spec: str, device: str | torch.device = "auto",
         return _load_distilled(spec, Path(source), dev, torch_dtype, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        if "gguf_file" in kwargs:  # unpacked to plain weights, whatever kernels are installed
+            from transformers import GgufConfig
+
+            kwargs = {**kwargs, "quantization_config": GgufConfig(dequantize=True)}
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
     except OSError as err:
         offline = " (HF_HUB_OFFLINE is set, so only cached models load)" if os.environ.get(

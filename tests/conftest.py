@@ -14,6 +14,12 @@ from draftctl.models import perturbed_copy
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _profiles_in_a_temporary_folder(tmp_path_factory):
+    """Calibrated profiles made during the tests stay out of the user's cache."""
+    os.environ["DRAFTCTL_PROFILES"] = str(tmp_path_factory.mktemp("profiles"))
+
+
 def tiny_llama(vocab_size: int = 97, seed: int = 0, layers: int = 2, hidden: int = 32,
                context: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(seed)

@@ -24,8 +24,8 @@ from tests.test_collect import pair  # noqa: F401  (module fixture: tiny target,
 def bench_args(pair, out, *extra):  # noqa: F811
     target, draft, prompts = pair
     return ["bench", "--target", target, "--draft", draft, "--prompts", prompts, "--split", "all",
-            "--limit", "4", "--max-new-tokens", "16", "--device", "cpu", "--out", str(out),
-            *extra]
+            "--limit", "4", "--max-new-tokens", "16", "--device", "cpu", "--dtype", "float32",
+            "--pass-shape", "fixed:4", "--out", str(out), *extra]
 
 
 def test_bench_writes_every_output_with_the_documented_fields(pair, tmp_path, capsys):  # noqa: F811
@@ -142,7 +142,8 @@ def test_retrieval_traces_train_a_trie_pruning_controller(pair, tmp_path):  # no
                               mode="probe", k_probe=6, max_new_tokens=20, device="cpu",
                               out=str(traces)))
     info = json.loads((traces / "run.json").read_text())
-    assert info["drafter"] == "retrieval" and len(info["cost"]["t_verify_s"]) == 9
+    assert info["drafter"] == "retrieval" and len(info["cost"]["t_verify_s"]) >= 9
+    assert info["cost"]["pass_shape"] == "free"  # a trie is verified in one unpadded pass
     rows = read_traces(traces).to_pylist()
     nodes = [r for r in rows if r["node"] >= 0]
     assert nodes and all(not r["reached"] for r in rows if r["node"] < 0)  # empty tries

@@ -5,7 +5,7 @@ import torch
 
 from draftctl.controllers import REGISTRY, make_controller
 from draftctl.decode import DecodeInputError, generate
-from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.cached_lm import PassShape
 from tests.conftest import make_decoder, tiny_llama, tiny_pair
 
 ALL_SPECS = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5",
@@ -48,7 +48,8 @@ def test_target_only_output_equals_a_naive_argmax_loop(tiny_models):
 
 def test_speculation_saves_target_forwards_when_the_draft_agrees(tiny_models):
     target, _ = tiny_models
-    decoder = make_decoder(target, target, max_new_tokens=32)  # draft == target: all accepted
+    decoder = make_decoder(target, target, max_new_tokens=32,  # draft == target: all accepted
+                           pass_shape=PassShape(fixed=8))
     result = generate(decoder, [5, 6, 7], make_controller("static:4"))
     assert all(r.n_accepted == r.drafted for r in result.rounds)
     assert result.target_forwards < 10  # 1 prefill + ceil(32 / 5) rounds, not 33
@@ -180,48 +181,3 @@ def test_logits_past_the_vocabulary_never_become_tokens():
     padded = make_decoder(target, target, max_new_tokens=20, vocab_size=50)
     for spec in ("none", "static:3"):
         assert max(generate(padded, [1, 2, 3], make_controller(spec)).output_ids) < 50
-
-
-def test_masked_forward_runs_branches_like_separate_sequences(tiny_models):
-    """Two branches after a shared prefix, fed in one pass, give each branch's own logits."""
-    target, _ = tiny_models
-    prefix, left, right = [5, 7, 11, 13], [20, 21], [30, 31]
-    lm = CachedLM(target, 97)
-    lm.forward(torch.tensor(prefix))
-    tokens = torch.tensor(left + right)
-    positions = torch.tensor([4, 5, 4, 5])
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
-    allowed = torch.cat([torch.ones(4, 4, dtype=torch.bool), tree], dim=1)
-    logits = lm.forward_masked(tokens, positions, allowed)
-    assert len(lm) == 8
-    for branch, rows in ((left, logits[:2]), (right, logits[2:])):
-        alone = CachedLM(target, 97)
-        expect = alone.forward(torch.tensor(prefix + branch))[-2:]
-        torch.testing.assert_close(rows, expect, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="attention pattern has shape"):
-        lm.forward_masked(tokens, positions, allowed)
-
-
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20}])
-def test_padded_verification_changes_nothing_but_the_pass_size(tiny_models, sampling):
-    target, draft = tiny_models
-    plain = make_decoder(target, draft, max_new_tokens=30, **sampling)
-    padded = make_decoder(target, draft, max_new_tokens=30, verify_min=5, **sampling)
-    sizes = []
-    hook = target.register_forward_pre_hook(
-        lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
-        with_kwargs=True)
-    try:
-        for prompt in PROMPTS:
-            for spec in ("static:1", "static:2", "svip:0.5", "static:6"):
-                expect = generate(plain, prompt, make_controller(spec), seed=3)
-                sizes.clear()
-                got = generate(padded, prompt, make_controller(spec), seed=3)
-                assert got.output_ids == expect.output_ids, spec
-                assert [r.n_accepted for r in got.rounds] == [r.n_accepted for r in expect.rounds]
-                passes = sizes[1:] if len(prompt) > 1 else sizes  # after the prefill
-                assert all(n == 1 or n >= 5 for n in passes), (spec, passes)
-    finally:
-        hook.remove()
-    with pytest.raises(DecodeInputError, match="verify_min must be >= 0"):
-        make_decoder(target, draft, verify_min=-1)

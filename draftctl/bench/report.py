@@ -29,19 +29,41 @@ def short_spec(spec: str) -> str:
     return f"{controller}{at}{drafter}"
 
 
+def setup_line(report: dict) -> str:
+    """The dtypes and pass shape a bench ran with, and what 'vs fast' compares against."""
+    if "target_dtype" not in report:
+        return ""
+    line = (f"target {report['target_dtype']}, pass shape {report['pass_shape']} "
+            f"({'bit-exact' if report['bit_exact'] else 'not bit-exact'}); draft "
+            f"{report['draft_dtype']}. 'vs AR': plain decoding with the same dtype and pass "
+            "shape (the lossless comparison)")
+    fast = report.get("ar_fastest")
+    if fast:
+        line += (f"; 'vs fast': the fastest plain decoding ({fast.get('dtype', '?')}, "
+                 f"{fast.get('pass_shape', '?')})")
+    return line + "."
+
+
 def format_table(report: dict) -> str:
-    """Fixed-width table: AR first, then each controller."""
+    """Fixed-width table: AR first (and the fastest plain decoding), then each controller."""
     labels = [short_spec(r["spec"]) for r in report["controllers"]]
     w = min(40, max([22, *(len(label) + 1 for label in labels)]))
-    head = (f"{'controller':<{w}}{'tok/s':>8}{'vs AR':>7}{'tau':>6}{'accept':>8}{'drafted':>9}"
-            f"{'wasted':>8}{'ctrl us':>9}{'mismatch':>9}")
-    ar = report["ar"]
+    head = (f"{'controller':<{w}}{'tok/s':>8}{'vs AR':>7}{'vs fast':>8}{'tau':>6}{'accept':>8}"
+            f"{'drafted':>9}{'wasted':>8}{'ctrl us':>9}{'mismatch':>9}")
+    ar, fast = report["ar"], report.get("ar_fastest")
+    fast_vs = (lambda tps: tps / fast["tokens_per_s"]) if fast else (lambda tps: None)
     lines = [head, "-" * len(head),
-             (f"{'none (AR)':<{w}}{ar['tokens_per_s']:>8.1f}{1:>7.2f}{ar['tau']:>6.2f}"
+             (f"{'none (AR)':<{w}}{ar['tokens_per_s']:>8.1f}{1:>7.2f}"
+              f"{_num(fast_vs(ar['tokens_per_s']), '.2f'):>8}{ar['tau']:>6.2f}"
               f"{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")]
+    if fast:
+        lines.append(f"{'AR, fastest (' + fast.get('dtype', '?') + ')':<{w}}"
+                     f"{fast['tokens_per_s']:>8.1f}{fast['speedup_vs_ar']:>7.2f}{1:>8.2f}"
+                     f"{fast['tau']:>6.2f}{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")
     for r, label in zip(report["controllers"], labels):
         label = label if len(label) < w else "..." + label[-(w - 4):]
         lines.append(f"{label:<{w}}{r['tokens_per_s']:>8.1f}{r['speedup_vs_ar']:>7.2f}"
+                     f"{_num(r.get('speedup_vs_fastest_ar'), '.2f'):>8}"
                      f"{r['tau']:>6.2f}{_num(r['acceptance_rate'], '.2f'):>8}{r['drafted']:>9}"
                      f"{r['wasted']:>8}{_num(r['controller_us_per_call'], '.1f'):>9}"
                      f"{r['mismatches']:>9}")
@@ -55,16 +77,23 @@ def write_markdown(report: dict, path: Path) -> None:
              f"{'greedy' if report['greedy'] else 'sampling'}, "
              f"{report['config']['max_new_tokens']} new tokens at most. Speedup is tokens/s "
              "over plain autoregressive decoding (AR) of the same prompts by the same decoder; "
-             "tau counts the bonus token.")
-    header = ("| controller | tok/s | speedup | tau | acceptance | drafted | wasted | "
-              "target fw | draft fw | controller us/call | mismatches |")
-    ar_row = (f"| none (AR) | {ar['tokens_per_s']:.2f} | 1.00 | {ar['tau']:.2f} | - | 0 | 0 | "
-              f"{ar['target_forwards']} | 0 | - | - |")
+             f"tau counts the bonus token. {setup_line(report)}")
+    fast = report.get("ar_fastest")
+    header = ("| controller | tok/s | speedup | vs fastest AR | tau | acceptance | drafted | "
+              "wasted | target fw | draft fw | controller us/call | mismatches |")
+    ar_row = (f"| none (AR) | {ar['tokens_per_s']:.2f} | 1.00 | "
+              f"{_num(ar['tokens_per_s'] / fast['tokens_per_s'] if fast else None, '.3f')} | "
+              f"{ar['tau']:.2f} | - | 0 | 0 | {ar['target_forwards']} | 0 | - | - |")
     lines = [f"# draftctl bench: {report['target']} with draft {report['draft'] or '-'}", "",
-             intro, "", header, "|---" * 11 + "|", ar_row]
+             intro, "", header, "|---" * 12 + "|", ar_row]
+    if fast:
+        lines.append(f"| AR, fastest ({fast.get('dtype', '?')}, {fast.get('pass_shape', '?')})"
+                     f" | {fast['tokens_per_s']:.2f} | {fast['speedup_vs_ar']:.3f} | 1.000 | "
+                     f"{fast['tau']:.2f} | - | 0 | 0 | {fast['target_forwards']} | 0 | - | - |")
     for r in report["controllers"]:
         lines.append(
             f"| `{short_spec(r['spec'])}` | {r['tokens_per_s']:.2f} | {r['speedup_vs_ar']:.3f} | "
+            f"{_num(r.get('speedup_vs_fastest_ar'), '.3f')} | "
             f"{r['tau']:.2f} | {_num(r['acceptance_rate'], '.3f')} | {r['drafted']} | "
             f"{r['wasted']} | {r['target_forwards']} | {r['draft_forwards']} | "
             f"{_num(r['controller_us_per_call'], '.1f')} | {r['mismatches']} |")

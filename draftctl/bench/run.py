@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -18,11 +18,13 @@ from draftctl.decode import DecodeConfig, DecodingOptions, SpeculativeDecoder, g
 from draftctl.decode.loop import GenerationResult
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
+from draftctl.profile import Setup, settle
 from draftctl.prompts import load_prompts
 from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
 MODEL = "model"  # the draft model (--draft), as opposed to a rest:DIR drafter
+FASTEST = "ar-fastest"  # plain decoding in the fastest dtype, unpadded (not the reference)
 
 
 @dataclass
@@ -37,8 +39,10 @@ class BenchConfig(DecodingOptions):
     # rest:DIR: retrieval drafts for every controller without its own @DRAFTER suffix
     drafter: str | None = None
     device: str = "auto"
-    dtype: str = "auto"
     plots: bool = True
+    # also time plain decoding in the profile's fastest dtype and pass shape, for the
+    # speedup a user sees against the fastest decoding they could run instead
+    fastest_ar: bool = True
     out: str = "runs/bench"
 
 
@@ -103,25 +107,43 @@ def _by_category(runs: list[Run]) -> dict[str, list[Run]]:
 
 
 def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec: str,
-                 drafter_of: dict[str, str] | None = None) -> dict:
+                 drafter_of: dict[str, str] | None = None, setup: Setup | None = None) -> dict:
+    """Metrics per controller, with speedups against AR in the target's own dtype and pass
+    shape (the lossless comparison) and against the fastest plain decoding (``FASTEST``: what
+    a user could run instead), when it was run."""
     ar_runs = [r for r in runs if r.spec == "none"]
     ar = summarize(ar_runs, None)
     ar_by_cat = {cat: summarize(group, None) for cat, group in _by_category(ar_runs).items()}
     ar["per_category"] = ar_by_cat
+    fast_runs = [r for r in runs if r.spec == FASTEST]
+    fastest = summarize(fast_runs, ar["tokens_per_s"]) if fast_runs else None
+    if fastest is not None:
+        fastest["speedup_vs_ar"] = fastest["tokens_per_s"] / ar["tokens_per_s"]
+        fastest["differs_from_ar"] = fastest.pop("mismatches")
+        fastest.update(setup.fastest_plain_describe() if setup else {})
     controllers = []
     for spec in specs:
         mine = [r for r in runs if r.spec == spec]
         drafter = (drafter_of or {}).get(spec, MODEL)
         row = {"spec": spec, "drafter": draft_spec if drafter == MODEL else drafter,
+               "verify": "chain" if drafter == MODEL else "tree",
+               "bit_exact": drafter == MODEL and (setup is None or setup.shape.exact),
                **summarize(mine, ar["tokens_per_s"])}
+        row["speedup_vs_fastest_ar"] = row["tokens_per_s"] / fastest["tokens_per_s"] \
+            if fastest else None
         row["per_category"] = {cat: summarize(group, ar_by_cat[cat]["tokens_per_s"])
                                for cat, group in _by_category(mine).items()}
         controllers.append(row)
     greedy = cfg.temperature == 0
     return {"target": cfg.target, "draft": draft_spec,
+            **(setup.describe() if setup else {}),
             "prompts": len(ar_runs), "split": cfg.split, "greedy": greedy,
-            "ar": ar, "controllers": controllers,
-            "mismatches": sum(c["mismatches"] for c in controllers) if greedy else None,
+            "ar": ar, "ar_fastest": fastest, "controllers": controllers,
+            # outputs that differ from AR: chain drafts (the exit code), tree drafts apart
+            "mismatches": sum(c["mismatches"] for c in controllers if c["verify"] == "chain")
+            if greedy else None,
+            "tree_mismatches": sum(c["mismatches"] for c in controllers if c["verify"] == "tree")
+            if greedy else None,
             "config": asdict(cfg)}
 
 
@@ -165,9 +187,19 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "bench.yaml")
 
-    target = load_model(cfg.target, cfg.device, cfg.dtype)
-    draft = load_model(draft_spec, target.device, cfg.dtype, target=target) if draft_spec \
-        else None
+    setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, cfg.pass_shape, cfg.profile,
+                   progress)
+    decode_config = cfg.decode_config(setup.shape)
+    target = load_model(cfg.target, cfg.device, setup.target_dtype)
+    draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \
+        if draft_spec else None
+    fast_dtype, fast_shape = setup.fastest_plain()
+    fast_decoder = None
+    if cfg.fastest_ar:
+        fast_target = target if fast_dtype == setup.target_dtype else load_model(
+            cfg.target, cfg.device, fast_dtype)
+        fast_decoder = SpeculativeDecoder.from_loaded(
+            fast_target, None, replace(decode_config, pass_shape=fast_shape))
     retrievers = {d: make_retriever(d, target.tokenizer)
                   for d in dict.fromkeys(drafter_of.values()) if d != MODEL}
 
@@ -178,29 +210,37 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
     drafters = list(dict.fromkeys([MODEL, *drafter_of.values()]))
     decoders = {d: make_decoder(d, decode_config) for d in drafters}
-    warm = {d: make_decoder(d, DecodeConfig(max_new_tokens=2)) for d in drafters}
+    warm = {d: make_decoder(d, replace(decode_config, max_new_tokens=2)) for d in drafters}
     encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
     for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):
         for drafter, decoder in warm.items():  # per-shape kernel set-up, untimed
             usable = drafter != MODEL or draft is not None
             generate(decoder, ids, make_controller("static:1" if usable else "none"))
+        if fast_decoder is not None:
+            generate(fast_decoder, ids, make_controller("none"))
 
     runs: list[Run] = []
-    bar = tqdm(total=len(prompts) * (len(specs) + 1), desc="bench", unit="run",
+    timed = [*specs, *([FASTEST] if fast_decoder is not None else [])]
+    bar = tqdm(total=len(prompts) * (len(timed) + 1), desc="bench", unit="run",
                disable=not progress)
+    greedy = decode_config.sampling.greedy
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
         reference = _run(decoders[MODEL], target.tokenizer, prompt, ids, "none",
-                         make_controller("none"), None, greedy=decode_config.sampling.greedy)
+                         make_controller("none"), None, greedy=greedy)
         runs.append(reference)
         bar.update()
-        order = specs[i % len(specs):] + specs[:i % len(specs)]  # rotate: noise hits all alike
+        order = timed[i % len(timed):] + timed[:i % len(timed)]  # rotate: noise hits all alike
         for spec in order:
+            if spec == FASTEST:
+                runs.append(_run(fast_decoder, target.tokenizer, prompt, ids, spec,
+                                 make_controller("none"), reference.result.output_ids, greedy))
+                bar.update()
+                continue
             controller = controllers[spec]
             if isinstance(controller, ReferenceOracle):
                 controller.set_reference(reference.result.output_ids)
             runs.append(_run(decoders[drafter_of[spec]], target.tokenizer, prompt, ids, spec,
-                             controller, reference.result.output_ids,
-                             decode_config.sampling.greedy))
+                             controller, reference.result.output_ids, greedy))
             bar.update()
         ar_tps = sum(r.result.new_tokens for r in runs if r.spec == "none") / sum(
             r.result.wall_s for r in runs if r.spec == "none")
@@ -208,7 +248,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     bar.close()
 
     report = build_report(cfg, specs, runs, draft.spec if draft is not None else
-                          cfg.drafter or "", drafter_of)
+                          cfg.drafter or "", drafter_of, setup)
     (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     write_markdown(report, out / "report.md")
     write_answers(runs, out / "answers", answer_name)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
@@ -18,7 +17,7 @@ from draftctl.collect.traces import round_rows, write_shard
 from draftctl.config import save_config
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SamplingConfig, SpeculativeDecoder, generate
-from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.cached_lm import PassShape
 from draftctl.decode.features import (
     FEATURE_NAMES,
     SCHEMA_VERSION,
@@ -26,7 +25,6 @@ from draftctl.decode.features import (
     distribution_stats,
     make_record,
 )
-from draftctl.decode.loop import synchronize
 from draftctl.errors import DraftctlError
 from draftctl.models import (
     DEFAULT_TARGET,
@@ -35,6 +33,7 @@ from draftctl.models import (
     load_model,
     model_file_sha256,
 )
+from draftctl.profile import Setup, curve, settle
 from draftctl.prompts import load_prompts
 from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
 
@@ -59,6 +58,9 @@ class CollectConfig:
     top_p: float = 1.0
     seed: int = 0
     device: str = "cpu"
+    dtype: str = "auto"  # auto: the calibrated dtypes (profile)
+    pass_shape: str = "auto"  # auto: the profile's fixed shape (bit-exact), see decode
+    profile: str | None = None
     out: str = "runs/traces"
 
     def __post_init__(self) -> None:
@@ -74,10 +76,10 @@ class CollectConfig:
             raise DraftctlError("dense mode follows a draft model's greedy chain; with "
                                 "--drafter rest:DIR use --mode probe or policy")
 
-    def decode_config(self) -> DecodeConfig:
+    def decode_config(self, shape: PassShape) -> DecodeConfig:
         return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.k_probe,
                             sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
-                            seed=self.seed)
+                            seed=self.seed, pass_shape=shape)
 
 
 def rank_slice() -> tuple[int, int]:
@@ -86,36 +88,6 @@ def rank_slice() -> tuple[int, int]:
     if not 0 <= rank < world:
         raise DraftctlError(f"RANK={rank} is outside WORLD_SIZE={world}")
     return rank, world
-
-
-@torch.inference_mode()
-def measure_costs(decoder: SpeculativeDecoder, context: list[int], max_n: int,
-                  repeats: int = 5) -> dict:
-    """Median seconds of one draft step and of target passes over n = 1..max_n new tokens,
-    both with a warm cache over ``context``."""
-    ids = torch.tensor(context, device=decoder.device)
-
-    def median_time(lm: CachedLM, n: int, last_only: bool) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            lm.forward(ids[-n:], last_only=last_only)
-            synchronize(decoder.device)
-            times.append(time.perf_counter() - start)
-            lm.truncate(len(ids) - n)
-        return statistics.median(times)
-
-    target = decoder.target
-    target.reset()
-    target.forward(ids[:-max_n])
-    verify = [median_time(target, n, False) for n in range(1, max_n + 1)]
-    costs = {"t_verify_s": verify, "t_target_s": verify[0]}
-    if decoder.drafter is not None:
-        draft = decoder.drafter.lm
-        draft.reset()
-        draft.forward(ids[:-1])
-        costs["t_draft_s"] = median_time(draft, 1, True)
-    return costs
 
 
 @torch.inference_mode()
@@ -173,6 +145,24 @@ def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int,
     return rows
 
 
+def profile_costs(setup: Setup, shape: PassShape) -> dict:
+    """The costs ``replay`` models time with, from the calibrated profile: the target's raw
+    pass times (seconds, n = 1..N new tokens) in its dtype, the pass shape it runs at, a draft
+    step, and the fastest plain decoding's step."""
+    profile = setup.profile
+    target = curve(profile["target"]["by_dtype"][setup.target_dtype])
+    costs = {"t_verify_s": [target[n] / 1e3 for n in sorted(target)],
+             "t_target_s": target[1] / 1e3, "pass_shape": shape.describe(),
+             "pad_to": [shape.rows(n) for n in sorted(target)],
+             "t_fastest_plain_s": profile["fastest_plain"]["t_ms"] / 1e3,
+             "target_dtype": setup.target_dtype, "draft_dtype": setup.draft_dtype,
+             "profile": setup.profile_path}
+    draft = profile["draft"]
+    if draft is not None and setup.draft_dtype in draft["by_dtype"]:
+        costs["t_draft_s"] = curve(draft["by_dtype"][setup.draft_dtype])[1] / 1e3
+    return costs
+
+
 def _run_info(cfg: CollectConfig, draft_spec: str, costs: dict, world: int) -> dict:
     retrieval = is_retrieval(draft_spec)
     return {
@@ -211,15 +201,15 @@ def run_collect(cfg: CollectConfig) -> dict:
         raise DraftctlError(f"no draft for {cfg.target!r}: pass --draft SPEC")
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit,
                            cfg.per_category)[rank::world]
-    target = load_model(cfg.target, cfg.device)
+    setup = settle(cfg.target, None if retrieval else draft_spec, cfg.device, cfg.dtype,
+                   cfg.pass_shape, cfg.profile, need_profile=True)
+    target = load_model(cfg.target, cfg.device, setup.target_dtype)
     if retrieval:
         retriever = make_retriever(draft_spec, target.tokenizer)
-        decoder = retrieval_decoder(target, retriever, cfg.decode_config())
-        cost_sizes = retriever.config.max_nodes + 1  # the last token and every trie node
+        decoder = retrieval_decoder(target, retriever, cfg.decode_config(setup.shape))
     else:
-        draft = load_model(draft_spec, target.device, target=target)
-        decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config())
-        cost_sizes = cfg.k_probe + 1
+        draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target)
+        decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config(setup.shape))
     encoded = {p.question_id: encode_prompt(target.tokenizer, p.text) for p in prompts}
 
     info_path = out / "run.json"
@@ -231,10 +221,7 @@ def run_collect(cfg: CollectConfig) -> dict:
             raise DraftctlError(f"{out} holds traces of another run (differs in "
                                 f"{', '.join(changed)}); use a new --out")
     else:
-        context = next(iter(encoded.values()), [1] * 64)
-        size = max(64, cost_sizes + 1)
-        context = (context * (1 + size // len(context)))[:size]
-        info = _run_info(cfg, draft_spec, measure_costs(decoder, context, cost_sizes), world)
+        info = _run_info(cfg, draft_spec, profile_costs(setup, decoder.target.shape), world)
         if rank == 0:
             tmp = info_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(info, indent=2))

@@ -1,9 +1,211 @@
-"""A causal LM paired with its KV cache, with rollback by length."""
+"""A causal LM paired with its KV cache: preallocated, rolled back by length, and fed in passes
+whose shape does not change the numbers.
+
+Why the shape matters: a matmul kernel may sum a row's products in another order when the
+matrix has another number of rows, and an attention kernel when the keys have another length.
+So, in bfloat16, the target's logits for a token can differ by 0.5 between a one-token pass and
+a pass of six, which is enough to flip a greedy choice, and greedy speculative decoding would
+no longer equal plain decoding. Two rules remove every dependence on how tokens were split into
+passes:
+
+- the keys a pass attends to are padded to a multiple of ``KEY_BLOCK`` (masked, so they add
+  exact zeros). PyTorch's CPU attention works through the keys in blocks of 512; a partly
+  filled block goes through matmuls of another size, which round differently (float32 on this
+  project's CPU: a query at position 150 gets other bits with 256 keys than with 192 or 320).
+  With whole blocks only, every pass runs the same kernels in the same order. Lengths that
+  still take another path on some machine are found once per attention geometry by probing
+  the kernel (``inexact_key_lengths``), and padding skips them;
+- with a fixed pass shape (``PassShape.fixed``) every pass after the prompt runs at exactly M
+  rows: shorter inputs are padded (the padding's outputs and cache entries are dropped), longer
+  ones go in chunks of M. Row r of a matmul then computes what it would compute at any other
+  row, in any other pass of M rows.
+
+With both, a token's logits depend only on the tokens before it, which makes greedy SD equal
+plain decoding bit for bit, in any dtype (``tests/test_cached_lm.py``).
+"""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from draftctl.errors import DecodeInputError
+
+KEY_BLOCK = 512  # keys per pass padded to a multiple of this: the CPU attention's block size
+_GROW = KEY_BLOCK  # cache capacity grows in steps of this many positions
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """How many rows a pass over ``n`` new tokens runs at (the prompt's prefill excepted).
+
+    fixed > 0: exactly ``fixed`` rows, longer inputs in chunks: a token's logits do not depend
+        on how tokens were split into passes, so greedy SD is bit-exact (the default for the
+        target, with M from the calibrated profile).
+    fixed == 0: ``pad_to[n - 1]`` rows when given (e.g. the cheapest m >= n on the measured
+        cost curve), else n rows. Faster on some machines, but not bit-exact: opt-in.
+    """
+
+    fixed: int = 0
+    pad_to: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.fixed < 0 or self.fixed == 1:
+            raise DecodeInputError(f"a fixed pass shape needs M >= 2 rows, got {self.fixed}")
+        bad = [(n, m) for n, m in enumerate(self.pad_to, 1) if m < n]
+        if bad:
+            raise DecodeInputError(f"pad_to maps {bad[0][0]} tokens to {bad[0][1]} rows: a pass "
+                                   "cannot run at fewer rows than it has tokens")
+
+    @classmethod
+    def parse(cls, spec: str) -> PassShape:
+        """``fixed:M`` or ``free``; ``auto`` and ``cheapest`` need a profile (see
+        ``draftctl.profile.settle``)."""
+        if spec == "free":
+            return cls()
+        name, _, value = spec.partition(":")
+        if name == "fixed" and value.isdigit() and int(value) >= 2:
+            return cls(fixed=int(value))
+        raise DecodeInputError(f"unknown pass shape {spec!r}: use auto, fixed:M (M >= 2), "
+                               "cheapest or free")
+
+    @property
+    def exact(self) -> bool:
+        return self.fixed > 0
+
+    def rows(self, n: int) -> int:
+        """Rows actually computed for ``n`` new tokens (all chunks together)."""
+        if self.fixed:
+            return -(-n // self.fixed) * self.fixed
+        return self.pad_to[n - 1] if n <= len(self.pad_to) else n
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """(first token, rows) of each pass that feeds ``n`` new tokens."""
+        if self.fixed:
+            return [(first, self.fixed) for first in range(0, n, self.fixed)]
+        return [(0, self.rows(n))]
+
+    def describe(self) -> str:
+        if self.fixed:
+            return f"fixed:{self.fixed}"
+        return "cheapest" if self.pad_to else "free"
+
+
+class BlockLayer(CacheLayerMixin):
+    """One layer's keys and values in a preallocated buffer (batch size 1).
+
+    ``update`` writes in place and returns the first ``keys_to`` keys (set by ``CachedLM``
+    before each pass: the end of the new tokens, padded), the padding being whatever the buffer
+    holds there (zeros or stale entries, always masked out). Rollback is moving ``length`` back.
+    """
+
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+        self.keys_to = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys = key_states.new_zeros((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self.values = value_states.new_zeros((*value_states.shape[:2], 0,
+                                              value_states.shape[-1]))
+        self.is_initialized = True
+
+    def _reserve(self, size: int) -> None:
+        if size <= self.keys.shape[2]:
+            return
+        capacity = -(-size // _GROW) * _GROW
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, :old.shape[2]] = old
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        padded = max(self.keys_to, end)
+        self._reserve(padded)
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :padded], self.values[:, :, :padded]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(self.keys_to, self.length + query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.length -= abs(tokens_to_remove)
+
+    def keep(self, start: int, offsets: torch.Tensor) -> None:
+        """Keep positions ``[0, start)`` then ``start + offsets`` (increasing), in that order."""
+        index = start + offsets.to(self.device)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            buffer[:, :, start:start + len(index)] = buffer.index_select(2, index)
+        self.length = start + len(index)
+
+
+def padded_keys(length: int, avoid: frozenset[int] = frozenset()) -> int:
+    """The smallest multiple of ``KEY_BLOCK`` >= length that is not in ``avoid``."""
+    padded = -(-length // KEY_BLOCK) * KEY_BLOCK
+    while padded in avoid:
+        padded += KEY_BLOCK
+    return padded
+
+
+@functools.cache
+def inexact_key_lengths(heads: int, head_dim: int, rows: int, dtype: torch.dtype,
+                        device: str, longest: int) -> frozenset[int]:
+    """Multiples of ``KEY_BLOCK`` up to ``longest`` at which this machine's attention kernel
+    gives a query another result than at most lengths, with the keys past the query masked.
+
+    Probes ``scaled_dot_product_attention`` as the model calls it under an explicit mask
+    (heads repeated for grouped queries; ``rows`` query rows) with random data, for queries at
+    several positions; a length whose outputs differ from the majority's takes another code
+    path, and padding skips it. Under a second per geometry, once per process.
+    """
+    gen = torch.Generator().manual_seed(0)
+    lengths = list(range(KEY_BLOCK, longest + KEY_BLOCK, KEY_BLOCK))
+    top = lengths[-1]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q, k, v = rand(1, heads, rows, head_dim), rand(1, heads, top, head_dim), rand(1, heads, top,
+                                                                               head_dim)
+    keys = torch.arange(top, device=device)
+    bad: set[int] = set()
+    for first in sorted({min(p, top - rows) for p in (0, 150, 700, top // 3, top - rows)}):
+        positions = first + torch.arange(rows, device=device)
+        outputs = {}
+        for length in lengths:
+            if length < first + rows:
+                continue
+            mask = (keys[None, :length] <= positions[:, None])[None, None]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k[:, :, :length], v[:, :, :length], attn_mask=mask)
+            outputs[length] = out.float().cpu().numpy().tobytes()
+        groups: dict[bytes, list[int]] = {}
+        for length, key in outputs.items():
+            groups.setdefault(key, []).append(length)
+        majority = max(groups.values(), key=len)
+        bad.update(n for n in outputs if n not in majority)
+    return frozenset(bad)
 
 
 class CachedLM:
@@ -12,31 +214,57 @@ class CachedLM:
     Invariant: the cache holds the keys and values of the first ``len(self)`` tokens of the
     sequence being decoded. Rolling back rejected draft tokens is ``truncate(length)``.
     Logits are cut to ``vocab_size`` (models may pad their output layer past the tokenizer).
+    ``shape`` sets the rows of every pass but ``prefill`` (see the module docstring).
+    ``forwards`` counts model calls, so a chunked pass counts once per chunk.
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, shape: PassShape | None = None):
         self.model = model
         self.vocab_size = vocab_size
+        self.shape = shape or PassShape()
+        self.device = next(model.parameters()).device
         self.forwards = 0
+        self.avoid = self._inexact_lengths() if self.shape.exact else frozenset()
         self.reset()
 
+    def _inexact_lengths(self) -> frozenset[int]:
+        config = self.model.config
+        if config._attn_implementation != "sdpa":
+            return frozenset()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        longest = min(int(getattr(config, "max_position_embeddings", 4096)), 8192)
+        return inexact_key_lengths(heads, head_dim, self.shape.fixed,
+                                   next(self.model.parameters()).dtype, str(self.device),
+                                   longest + 2 * KEY_BLOCK)
+
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = Cache(layers=[BlockLayer() for _ in range(self.model.config.num_hidden_layers)])
         self._length = 0
 
     def __len__(self) -> int:
         return self._length
 
     @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """Feed a prompt in one pass of its own length; logits (keep, vocab) of its last
+        ``keep`` tokens (0: all). Plain and speculative decoding prefill alike, so its shape
+        does not need fixing."""
+        return self._pass(tokens, len(tokens), None, keep)
+
+    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last_only: bool = False,
                 keep: int = 0) -> torch.Tensor:
         """Feed ``tokens`` (n,) long; return logits (n, vocab), or of the last ``keep``
         tokens only (``last_only`` is ``keep=1``)."""
-        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
-                         logits_to_keep=1 if last_only else keep)
-        self._length += tokens.shape[0]
-        self.forwards += 1
-        return out.logits[0, :, : self.vocab_size]
+        keep = 1 if last_only else keep
+        n = tokens.shape[0]
+        if not self.shape.fixed and self.shape.rows(n) == n:
+            return self._pass(tokens, n, None, keep)
+        out = [self._pass(tokens[first:first + rows], rows, None, 0)
+               for first, rows in self.shape.chunks(n)]
+        logits = torch.cat(out)[:n]
+        return logits[-keep:] if keep else logits
 
     @torch.inference_mode()
     def forward_masked(self, tokens: torch.Tensor, positions: torch.Tensor,
@@ -49,29 +277,107 @@ class CachedLM:
         if allowed.shape != (n, self._length + n):
             raise ValueError(f"attention pattern has shape {tuple(allowed.shape)}, expected "
                              f"({n}, {self._length + n})")
-        mask = allowed[None, None]
-        if self.model.config._attn_implementation != "sdpa":  # eager: additive float mask
-            dtype = next(self.model.parameters()).dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(dtype).min)
-        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
-                         attention_mask=mask, position_ids=positions[None])
-        self._length += n
-        self.forwards += 1
-        return out.logits[0, :, : self.vocab_size]
+        start = self._length
+        out = []
+        for first, rows in self.shape.chunks(n):
+            real = min(rows, n - first)
+            pattern = allowed[first:first + real, :start + first + real]
+            out.append(self._pass(tokens[first:first + real], rows,
+                                  (positions[first:first + real], pattern), 0)[:real])
+        return torch.cat(out)
 
+    def _pass(self, tokens: torch.Tensor, rows: int,
+              masked: tuple[torch.Tensor, torch.Tensor] | None, keep: int) -> torch.Tensor:
+        """One model call over ``tokens`` padded to ``rows`` rows; the cache keeps the real
+        tokens only. ``masked``: (positions, attention pattern) of the real tokens, else the
+        usual causal pattern. Returns logits of the real rows (or their last ``keep``)."""
+        n, start = tokens.shape[0], self._length
+        device = tokens.device
+        total = start + rows
+        padded = padded_keys(total, self.avoid)
+        for layer in self.cache.layers:
+            layer.keys_to = padded
+        keys = torch.arange(padded, device=device)
+        if masked is None:
+            positions = torch.arange(start, total, device=device)
+            mask = keys[None, :] <= positions[:, None]
+        else:
+            positions, pattern = masked
+            # padding rows sit after the real ones and see the cache and themselves
+            positions = torch.cat([positions, positions[-1] + 1 + torch.arange(
+                rows - n, device=device)])
+            mask = torch.zeros(rows, padded, dtype=torch.bool, device=device)
+            mask[:n, :start + n] = pattern
+            mask[n:, :start] = True
+            mask[torch.arange(n, rows, device=device), torch.arange(start + n, total,
+                                                                    device=device)] = True
+        if rows > n:
+            tokens = torch.cat([tokens, tokens[-1:].expand(rows - n)])
+        # a shaped pass keeps every row's logits, so that the output layer's matmul has a
+        # fixed shape too; the prefill keeps only what it returns
+        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
+                         attention_mask=self._mask(mask), position_ids=positions[None],
+                         logits_to_keep=keep if rows == n else 0)
+        self.forwards += 1
+        self._set_length(start + n)
+        logits = out.logits[0, :, : self.vocab_size]
+        if rows > n:
+            logits = logits[:n]
+            return logits[-keep:] if keep else logits
+        return logits
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(rows, keys) bool -> the 4-D mask the model's attention takes."""
+        mask = allowed[None, None]
+        if self.model.config._attn_implementation == "sdpa":
+            return mask
+        dtype = next(self.model.parameters()).dtype  # eager: additive float mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min)
+
+    def _set_length(self, length: int) -> None:
+        for layer in self.cache.layers:
+            layer.length = length
+        self._length = length
+
+    @torch.inference_mode()
     def keep(self, start: int, offsets: list[int]) -> None:
         """Keep the first ``start`` cached positions, then the positions ``start + offsets``
         in that order (a verified tree path); drop the rest."""
-        index = torch.cat([torch.arange(start), start + torch.tensor(offsets, dtype=torch.long)])
+        index = torch.tensor(offsets, dtype=torch.long)
         for layer in self.cache.layers:
-            index = index.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-        self._length = len(index)
+            layer.keep(start, index)
+        self._length = start + len(offsets)
 
     def truncate(self, length: int) -> None:
         """Drop cached positions ``length`` and beyond (no-op if the cache is shorter)."""
         if length < self._length:
-            self.cache.crop(length - self._length)
-            self._length = length
+            self._set_length(length)
+
+
+@torch.inference_mode()
+def rows_are_exact(model: torch.nn.Module, vocab_size: int, rows: int,
+                   tokens: torch.Tensor) -> bool:
+    """Whether, on this machine, passes of ``rows`` rows give every token the same logits
+    whatever its row in the pass.
+
+    Matmul kernels differ: MKL's float32 path on this project's CPU computes the last rows of
+    a 5- to 7-row product with another kernel than the first four, so there a shape of 6 is
+    not exact while 4 and 8 are. tokens: at least ``2 * rows + 1`` ids; after a prefill of all
+    but the last ``2 * rows``, those are fed in three splits (shifted by one row and by half a
+    pass) and their logits compared. (Key lengths are checked by ``inexact_key_lengths``.)
+    """
+    context = len(tokens) - 2 * rows
+    if context < 1:
+        raise ValueError(f"the check needs {2 * rows + 1} tokens, got {len(tokens)}")
+    lm = CachedLM(model, vocab_size, PassShape(fixed=rows))
+    results = []
+    for sizes in ([rows, rows], [1, rows, rows - 1], [rows // 2, rows, rows - rows // 2]):
+        lm.reset()
+        lm.prefill(tokens[:context])
+        at, out = context, []
+        for n in filter(None, sizes):
+            out.append(lm.forward(tokens[at:at + n]))
+            at += n
+        results.append(torch.cat(out))
+    return all(torch.equal(results[0], other) for other in results[1:])

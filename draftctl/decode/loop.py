@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from draftctl.controllers.base import Controller
-from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.cached_lm import CachedLM, PassShape
 from draftctl.decode.features import FeatureRecord, SequenceState, records_from_stats
 from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
 from draftctl.drafters.model import Draft, ModelDrafter
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel, check_same_vocabulary
+
+DEFAULT_ROWS = 4  # the library's fixed pass shape when no profile chose one
 
 
 @dataclass(frozen=True)
@@ -33,18 +35,15 @@ class DecodeConfig:
     max_draft: int = 16  # hard cap on draft tokens per round, whatever the controller says
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
-    # Pad a verification pass of 2 .. verify_min - 1 tokens to verify_min tokens (0: never).
-    # On CPUs whose matmul kernels handle 2-3 rows slower than 4-5 (MKL's small-row path),
-    # the padded pass is cheaper; the padding's outputs and cache entries are dropped.
-    verify_min: int = 0
+    # The rows of every target pass after the prompt (see ``cached_lm``): a fixed shape makes
+    # greedy SD equal plain decoding bit for bit in any dtype. Jobs take M from the profile.
+    pass_shape: PassShape = field(default_factory=lambda: PassShape(fixed=DEFAULT_ROWS))
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise DecodeInputError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.max_draft < 0:
             raise DecodeInputError(f"max_draft must be >= 0, got {self.max_draft}")
-        if self.verify_min < 0:
-            raise DecodeInputError(f"verify_min must be >= 0, got {self.verify_min}")
 
 
 @dataclass
@@ -58,12 +57,19 @@ class DecodingOptions:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    verify_min: int = 0
+    # auto: the calibrated dtypes (profile); or float32, bfloat16, ... for both models
+    dtype: str = "auto"
+    # auto: fixed at the profile's M; fixed:M; cheapest / free: faster, not bit-exact (opt-in)
+    pass_shape: str = "auto"
+    profile: str | None = None  # a profile file; default: this pair's calibrated one
 
-    def decode_config(self) -> DecodeConfig:
+    def decode_config(self, shape: PassShape | None = None) -> DecodeConfig:
+        """The decoder's config (numbers checked); ``shape``: the settled pass shape."""
+        if self.pass_shape not in ("auto", "cheapest"):
+            PassShape.parse(self.pass_shape)  # a bad spec fails before any model loads
         return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.max_draft,
                             sampling=SamplingConfig(self.temperature, self.top_k, self.top_p),
-                            seed=self.seed, verify_min=self.verify_min)
+                            seed=self.seed, **({"pass_shape": shape} if shape else {}))
 
 
 @dataclass
@@ -140,7 +146,7 @@ class SpeculativeDecoder:
                  vocab_size: int, eos_ids: Sequence[int], context_length: int,
                  config: DecodeConfig | None = None):
         self.config = config or DecodeConfig()
-        self.target = CachedLM(target, vocab_size)
+        self.target = CachedLM(target, vocab_size, self.config.pass_shape)
         self.drafter = ModelDrafter(CachedLM(draft, vocab_size), self.config.sampling) \
             if draft is not None else None
         self.vocab_size = vocab_size
@@ -189,7 +195,7 @@ class SpeculativeDecoder:
             self.drafter.reset()
         controller.reset()
         if len(seq) > 1:
-            self.target.forward(seq[:-1], last_only=True)  # prefill all but the last token
+            self.target.prefill(seq[:-1])  # all but the last token, which goes with the draft
         state = SequenceState(len(seq))
         produced, index = 0, 0
         watch = _Stopwatch(self.device)
@@ -236,10 +242,7 @@ class SpeculativeDecoder:
         the accepted prefix. Returns the verdict, per-token beta (k,) and target argmax (k,)."""
         k = draft.tokens.shape[0]
         fed = torch.cat([seq[len(self.target):], draft.tokens])
-        n = fed.shape[0]
-        if 2 <= n < self.config.verify_min:  # padding: see DecodeConfig.verify_min
-            fed = torch.cat([fed, fed[-1:].expand(self.config.verify_min - n)])
-        target_logits = self.target.forward(fed)[n - (k + 1):n]  # (k+1, V)
+        target_logits = self.target.forward(fed)[-(k + 1):]  # (k+1, V)
         sampling = self.config.sampling
         if sampling.greedy:
             verdict = verify_greedy(draft.tokens, target_logits)

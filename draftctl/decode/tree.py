@@ -24,7 +24,7 @@ import torch
 
 from draftctl.controllers.base import Controller
 from draftctl.controllers.rules import ReferenceOracle
-from draftctl.decode.cached_lm import CachedLM
+from draftctl.decode.cached_lm import CachedLM, PassShape
 from draftctl.decode.features import SequenceState
 from draftctl.decode.loop import DecodeConfig, RoundRecord, SpeculativeDecoder
 from draftctl.errors import DecodeInputError
@@ -69,7 +69,7 @@ class RetrievalDecoder:
             raise DecodeInputError(
                 "retrieval drafting verifies a trie of candidates, and draftctl has no lossless "
                 "multi-candidate sampling rule for it: use greedy decoding (temperature 0)")
-        self.target = CachedLM(target, vocab_size)
+        self.target = CachedLM(target, vocab_size, PassShape())  # see the module docstring
         self.retriever = retriever
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
@@ -96,7 +96,7 @@ class RetrievalDecoder:
         self.target.reset()
         controller.reset()
         if len(seq) > 1:
-            self.target.forward(torch.tensor(seq[:-1], device=self.device), last_only=True)
+            self.target.prefill(torch.tensor(seq[:-1], device=self.device))
         produced, index = 0, 0
         state = SequenceState(len(seq))
         while produced < cfg.max_new_tokens and len(seq) < self.context_length:

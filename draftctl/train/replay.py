@@ -16,10 +16,14 @@ trie node by node as the decoder does (``draftctl.retrieval.features.prune``); t
 accepts the longest path of matching kept nodes. Each recorded round is replayed on its own,
 so later rounds are the recorded ones.
 
-Time is modelled from the costs measured at collection (``run.json``): a round that drafts
-``L`` tokens with ``F`` draft forwards takes ``F t_draft + t_verify(L + 1) + calls t_ctrl``;
-a retrieval round takes its recorded lookup time plus ``t_verify(nodes + 1) + calls t_ctrl``;
-plain decoding takes ``t_verify(1)`` per token. ``oracle`` drafts exactly what is accepted.
+Time is modelled from the costs in ``run.json`` (the calibrated profile's, copied at
+collection) or from another profile: a round that drafts ``L`` tokens with ``F`` draft
+forwards takes ``F t_draft + t_verify(L + 1) + calls t_ctrl``, where ``t_verify(n)`` is the
+pass the decoder really runs (``t(M)`` per chunk of a fixed shape M); a retrieval round takes
+its recorded lookup time plus ``t_verify(nodes + 1) + calls t_ctrl``; plain decoding takes
+``t_verify(1)`` per token in the same shape (the lossless comparison), and the fastest plain
+decoding the profile measured gives a second speedup. ``oracle`` drafts exactly what is
+accepted.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -34,27 +39,57 @@ import numpy as np
 from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import Action, Controller, make_controller
 from draftctl.decode.features import FEATURE_NAMES, FeatureRecord, SequenceState, make_record
+from draftctl.decode.cached_lm import PassShape
+from draftctl.profile import curve, pass_time, read_profile
 from draftctl.prompts import task_of
 from draftctl.retrieval.features import accepted_mask, prune, tried_chain
 
 
 @dataclass(frozen=True)
 class CostModel:
+    """Seconds per draft step, per target pass, and per controller call.
+
+    t_verify: raw pass times, ``t_verify[n - 1]`` for a pass of n rows; ``shape``: the rows a
+    pass of n new tokens really runs at (a fixed shape M costs ``ceil(n / M) * t(M)``), so
+    modelled time follows the curve the decoder has. t_plain: a step of the fastest plain
+    decoding (another dtype or shape), when known.
+    """
+
     t_draft: float
-    t_verify: tuple[float, ...]  # t_verify[n - 1]: one target pass over n new tokens
+    t_verify: tuple[float, ...]
     t_controller: float = 0.0
+    shape: PassShape = PassShape()
+    t_plain: float | None = None
 
     @classmethod
     def from_run(cls, info: dict, t_controller: float = 0.0) -> CostModel:
+        """From a trace folder's ``run.json`` (traces from before pass shapes: unpadded)."""
         cost = info["cost"]
-        return cls(cost.get("t_draft_s", 0.0), tuple(cost["t_verify_s"]), t_controller)
+        shape = PassShape()
+        if cost.get("pass_shape", "free") not in ("free", "cheapest"):
+            shape = PassShape.parse(cost["pass_shape"])
+        elif cost.get("pass_shape") == "cheapest":
+            shape = PassShape(pad_to=tuple(cost["pad_to"]))
+        return cls(cost.get("t_draft_s", 0.0), tuple(cost["t_verify_s"]), t_controller, shape,
+                   cost.get("t_fastest_plain_s"))
+
+    @classmethod
+    def from_profile(cls, path: str | Path, t_controller: float = 0.0) -> CostModel:
+        """From a calibrated profile: its target dtype's curve and pass shape."""
+        profile = read_profile(path)
+        target = curve(profile["target"])
+        draft = curve(profile["draft"])[1] / 1e3 if profile["draft"] else 0.0
+        return cls(draft, tuple(target[n] / 1e3 for n in sorted(target)), t_controller,
+                   PassShape.parse(profile["pass_shape"]),
+                   profile["fastest_plain"]["t_ms"] / 1e3)
+
+    @cached_property
+    def _curve(self) -> dict[int, float]:
+        return dict(enumerate(self.t_verify, 1))
 
     def verify(self, n: int) -> float:
-        """t_verify(n), extrapolated linearly past the measured range."""
-        if n <= len(self.t_verify):
-            return self.t_verify[n - 1]
-        slope = (self.t_verify[-1] - self.t_verify[0]) / max(1, len(self.t_verify) - 1)
-        return self.t_verify[-1] + slope * (n - len(self.t_verify))
+        """Seconds to verify n new tokens (the round's last token and its drafts)."""
+        return pass_time(self._curve, self.shape, n)
 
     def round_time(self, drafted: int, draft_forwards: int, calls: int) -> float:
         return (draft_forwards * self.t_draft + self.verify(drafted + 1)
@@ -72,12 +107,19 @@ class ReplayResult:
     controller_calls: int = 0
     time_s: float = 0.0
     ar_time_s: float = 0.0
+    fastest_ar_time_s: float = 0.0
     per_category: dict = field(default_factory=dict)
 
     def add(self, other: ReplayResult) -> None:
         for name in ("rounds", "tokens", "drafted", "accepted", "draft_forwards",
-                     "controller_calls", "time_s", "ar_time_s"):
+                     "controller_calls", "time_s", "ar_time_s", "fastest_ar_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def close(self, cost: CostModel) -> ReplayResult:
+        """Set the plain-decoding times of this many tokens."""
+        self.ar_time_s = self.tokens * cost.verify(1)
+        self.fastest_ar_time_s = self.tokens * cost.t_plain if cost.t_plain else 0.0
+        return self
 
     def summary(self) -> dict:
         return {"spec": self.spec, "tau": self.tokens / max(1, self.rounds),
@@ -86,7 +128,9 @@ class ReplayResult:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
                 "target_forwards": self.rounds, "draft_forwards": self.draft_forwards,
                 "modelled_time_s": self.time_s,
-                "modelled_speedup": self.ar_time_s / self.time_s if self.time_s else None}
+                "modelled_speedup": self.ar_time_s / self.time_s if self.time_s else None,
+                "modelled_speedup_vs_fastest": self.fastest_ar_time_s / self.time_s
+                if self.time_s and self.fastest_ar_time_s else None}
 
 
 def _choose_length(controller: Controller | None, stats_rows: np.ndarray, budget: int,
@@ -171,8 +215,7 @@ def replay_dense_prompt(group: dict, controller: Controller | None, cost: CostMo
         result.time_s += cost.round_time(drafted, forwards, calls)
         state = state.after_round(int(context[t]) + produced, drafted, accepted)
         t += produced
-    result.ar_time_s = total * cost.verify(1)
-    return result
+    return result.close(cost)
 
 
 def replay_rounds_prompt(group: dict, controller: Controller | None, cost: CostModel,
@@ -205,8 +248,7 @@ def replay_rounds_prompt(group: dict, controller: Controller | None, cost: CostM
         result.draft_forwards += forwards
         result.controller_calls += calls
         result.time_s += cost.round_time(drafted, forwards, calls)
-    result.ar_time_s = result.tokens * cost.verify(1)
-    return result
+    return result.close(cost)
 
 
 def replay_tree_prompt(group: dict, controller: Controller | None, cost: CostModel,
@@ -240,8 +282,7 @@ def replay_tree_prompt(group: dict, controller: Controller | None, cost: CostMod
         result.accepted += n_accepted
         result.controller_calls += calls
         result.time_s += lookup_s + cost.verify(drafted + 1) + calls * cost.t_controller
-    result.ar_time_s = result.tokens * cost.verify(1)
-    return result
+    return result.close(cost)
 
 
 class TraceSet:
@@ -259,8 +300,10 @@ class TraceSet:
 
 def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller],
            prompt_ids: set[int] | None = None,
-           t_controller: dict[str, float] | None = None) -> list[dict]:
-    """Replay each controller (a spec, ``oracle``, or a built controller) over traces."""
+           t_controller: dict[str, float] | None = None,
+           profile: str | Path | None = None) -> list[dict]:
+    """Replay each controller (a spec, ``oracle``, or a built controller) over traces; time
+    is modelled with the costs recorded at collection, or with ``profile``'s."""
     traces = traces if isinstance(traces, TraceSet) else TraceSet(traces)
     info, groups = traces.info, traces.groups
     if prompt_ids is not None:
@@ -275,7 +318,9 @@ def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller
         else:
             controller, spec = (None, "oracle") if item == "oracle" else (make_controller(item),
                                                                           item)
-        cost = CostModel.from_run(info, (t_controller or {}).get(spec, 0.0))
+        t_ctrl = (t_controller or {}).get(spec, 0.0)
+        cost = CostModel.from_profile(profile, t_ctrl) if profile else CostModel.from_run(
+            info, t_ctrl)
         total = ReplayResult(spec)
         by_category: dict[str, ReplayResult] = {}
         for group in groups.values():

@@ -1,0 +1,465 @@
+"""Calibrated cost profiles: what a pass over n new tokens costs on this machine, per dtype,
+and the dtypes and pass shape that follow from it.
+
+``calibrate`` measures, with warm-up and interleaved repetitions at a realistic cache length,
+the target's pass time for n = 1..N new tokens and the draft's one-token step, for every
+candidate dtype. From these curves it chooses:
+
+- the draft's dtype: the cheapest step (it does not change what the target outputs);
+- per target dtype, the fixed pass shape M: the one under which speculative decoding runs
+  fastest, modelled with an i.i.d. per-token acceptance ``acceptance`` and the best static K;
+- the target's dtype: the one whose best M gives the fastest modelled decoding.
+
+A profile is a JSON file, saved under ``profile_dir()`` keyed by the model pair, device and
+thread count; ``decode``, ``collect``, ``bench`` and ``replay`` read it (``settle``), so the
+modelled and the measured speed use one curve. ``--profile PATH`` names another file; a
+profile made for other models, or lacking the dtype asked for, is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftctl.console import notice
+from draftctl.decode.cached_lm import CachedLM, PassShape, rows_are_exact
+from draftctl.decode.loop import synchronize
+from draftctl.errors import DraftctlError
+from draftctl.models import (
+    DEFAULT_TARGET,
+    default_draft,
+    encode_prompt,
+    load_model,
+    model_file_sha256,
+    resolve_device,
+    resolve_dtype,
+)
+
+FORMAT = "draftctl-profile/1"
+MIN_ROWS = 2  # a fixed shape of one row would verify each draft token in a pass of its own
+
+
+class ProfileError(DraftctlError):
+    """A profile that does not fit the models, device or dtype it is used with."""
+
+
+def profile_dir() -> Path:
+    """``$DRAFTCTL_PROFILES``, else ``~/.cache/draftctl/profiles``."""
+    env = os.environ.get("DRAFTCTL_PROFILES")
+    return Path(env) if env else Path.home() / ".cache" / "draftctl" / "profiles"
+
+
+@dataclass
+class CalibrateConfig:
+    target: str = DEFAULT_TARGET
+    draft: str | None = None  # default: the target's shipped draft; "none": no draft
+    device: str = "auto"
+    dtypes: list[str] = field(default_factory=list)  # default: every dtype this device runs
+    max_n: int = 16
+    context: int = 256  # cache length the passes run at
+    repeats: int = 7
+    acceptance: float = 0.6  # per-token acceptance the pass shape and dtype are chosen for
+    out: str | None = None  # default: the profile cache (profile_dir())
+
+    def __post_init__(self) -> None:
+        if self.max_n < MIN_ROWS:
+            raise ProfileError(f"max_n must be >= {MIN_ROWS}, got {self.max_n}")
+        if self.repeats < 1 or self.context < 1:
+            raise ProfileError("repeats and context must be >= 1")
+        if not 0 < self.acceptance < 1:
+            raise ProfileError(f"acceptance must be in (0, 1), got {self.acceptance}")
+
+
+def candidate_dtypes(device: torch.device, asked: list[str] | None = None) -> list[str]:
+    """The dtypes to measure: float32 and, where the device computes it, bfloat16."""
+    names = list(asked) if asked else ["float32", "bfloat16"]
+    chosen = []
+    for name in names:
+        dtype = resolve_dtype(name, device)  # falls back (with a notice) where unsupported
+        label = str(dtype).removeprefix("torch.")
+        if label not in chosen:
+            chosen.append(label)
+    return chosen
+
+
+def expected_tokens(k: int, alpha: float) -> float:
+    """Tokens per round with k drafts and i.i.d. acceptance alpha (bonus included)."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def pass_time(t_ms: dict[int, float], shape: PassShape, n: int) -> float:
+    """Milliseconds to feed n tokens under ``shape``, from a curve of raw pass times."""
+    top = max(t_ms)
+
+    def raw(rows: int) -> float:
+        if rows in t_ms:
+            return t_ms[rows]
+        slope = (t_ms[top] - t_ms[1]) / max(1, top - 1)  # linear past the measured range
+        return t_ms[top] + slope * (rows - top)
+
+    if shape.fixed:
+        return -(-n // shape.fixed) * raw(shape.fixed)
+    return raw(shape.rows(n))
+
+
+def best_static(t_ms: dict[int, float], shape: PassShape, t_draft: float,
+                alpha: float, max_k: int) -> tuple[int, float]:
+    """(K, tokens per ms) of the fastest static K <= max_k under ``shape``."""
+    rates = {k: expected_tokens(k, alpha) / (pass_time(t_ms, shape, k + 1) + k * t_draft)
+             for k in range(max_k + 1)}
+    k = max(rates, key=rates.get)
+    return k, rates[k]
+
+
+def rank_rows(t_ms: dict[int, float], t_draft: float, alpha: float) -> list[tuple[int, int, float]]:
+    """(M, K, tokens per ms) for every fixed shape M and its best static K, fastest first."""
+    ranked = []
+    for rows in range(MIN_ROWS, max(t_ms) + 1):
+        k, rate = best_static(t_ms, PassShape(fixed=rows), t_draft, alpha, rows - 1)
+        ranked.append((rows, k, rate))
+    return sorted(ranked, key=lambda item: (-item[2], item[0]))
+
+
+def choose_rows(t_ms: dict[int, float], t_draft: float, alpha: float,
+                inexact: frozenset[int] = frozenset()) -> tuple[int, int, float]:
+    """(M, K, tokens per ms): the fastest fixed shape not known to be inexact on this machine,
+    and the static K under it."""
+    ranked = rank_rows(t_ms, t_draft, alpha)
+    return next((r for r in ranked if r[0] not in inexact), ranked[0])
+
+
+def _inexact(entry: dict) -> frozenset[int]:
+    return frozenset(int(m) for m, ok in entry.get("rows_checked", {}).items() if not ok)
+
+
+def cheapest_pad(t_ms: dict[int, float]) -> dict[int, int]:
+    """For each n, the cheapest measured m >= n (the opt-in, not bit-exact ``cheapest`` shape)."""
+    return {n: min((m for m in t_ms if m >= n), key=lambda m: (t_ms[m], m)) for n in t_ms}
+
+
+def _context_ids(tokenizer, length: int) -> list[int]:
+    """Real text (draftctl's own prompts) repeated to ``length`` tokens."""
+    from draftctl.prompts import load_prompts
+
+    ids: list[int] = []
+    for prompt in load_prompts(None, "train"):
+        ids += encode_prompt(tokenizer, prompt.text)
+        if len(ids) >= length:
+            break
+    return (ids * (1 + length // max(1, len(ids))))[:length]
+
+
+def _median_ms(times: list[float]) -> float:
+    return round(1e3 * statistics.median(times), 3)
+
+
+@torch.inference_mode()
+def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
+    """Load the pair in every candidate dtype and time their passes, interleaved."""
+    device = resolve_device(cfg.device)
+    dtypes = candidate_dtypes(device, cfg.dtypes)
+    draft_spec = None if cfg.draft == "none" else cfg.draft or default_draft(cfg.target)
+    lms, drafts = {}, {}
+    for dtype in dtypes:
+        target = load_model(cfg.target, device, dtype)
+        vocab = len(target.tokenizer)
+        lms[dtype] = CachedLM(target.model, vocab)
+        if draft_spec:
+            drafts[dtype] = CachedLM(load_model(draft_spec, device, dtype, target=target).model,
+                                     vocab)
+    ids = torch.tensor(_context_ids(target.tokenizer, cfg.context + cfg.max_n), device=device)
+    context, fresh = ids[:cfg.context], ids[cfg.context:]
+    every = {**{("target", d): lm for d, lm in lms.items()},
+             **{("draft", d): lm for d, lm in drafts.items()}}
+    sizes = {("target", d): range(1, cfg.max_n + 1) for d in lms}
+    sizes.update({("draft", d): (1,) for d in drafts})
+    for lm in every.values():
+        lm.prefill(context)
+    times: dict[tuple, list[float]] = {}
+
+    def timed(key, lm: CachedLM, n: int) -> None:
+        synchronize(device)
+        start = time.perf_counter()
+        lm.forward(fresh[:n], keep=n)
+        synchronize(device)
+        times.setdefault((*key, n), []).append(time.perf_counter() - start)
+        lm.truncate(cfg.context)
+
+    for key, lm in every.items():  # warm-up: kernel set-up for every shape, untimed
+        for n in sizes[key]:
+            timed(key, lm, n)
+    times.clear()
+    from tqdm import tqdm
+
+    for rep in tqdm(range(cfg.repeats), desc="calibrate", unit="round", disable=not progress):
+        order = list(every.items())
+        order = order[rep % len(order):] + order[:rep % len(order)]
+        for n in range(1, cfg.max_n + 1):
+            for key, lm in order:
+                if n in sizes[key]:
+                    timed(key, lm, n)
+    curves = {key: {n: _median_ms(times[(*key, n)]) for n in sizes[key]} for key in every}
+    exact = {}
+    for dtype, lm in lms.items():  # check shapes from the fastest down until one is exact
+        t_draft = min(curves["draft", d][1] for d in drafts) if drafts else 0.1 * curves[
+            "target", dtype][1]
+        exact[dtype] = {}
+        for rows, _, _ in rank_rows(curves["target", dtype], t_draft, cfg.acceptance):
+            exact[dtype][rows] = rows_are_exact(lm.model, lm.vocab_size, rows, context[:64])
+            if exact[dtype][rows]:
+                break
+    return {"device": device, "draft_spec": draft_spec, "curves": curves, "dtypes": dtypes,
+            "exact": exact}
+
+
+def build_profile(cfg: CalibrateConfig, measured: dict) -> dict:
+    """The profile's choices from measured curves (pure: no model calls)."""
+    curves, dtypes, device = measured["curves"], measured["dtypes"], measured["device"]
+    draft_spec = measured["draft_spec"]
+    if draft_spec:
+        draft_dtype = min(dtypes, key=lambda d: curves["draft", d][1])
+        t_draft = curves["draft", draft_dtype][1]
+    else:  # no draft: shapes are chosen for one that costs a tenth of a target step
+        draft_dtype = None
+    by_dtype = {}
+    for dtype in dtypes:
+        t_ms = curves["target", dtype]
+        td = t_draft if draft_spec else 0.1 * t_ms[1]
+        exact = measured["exact"][dtype]
+        rows, k, rate = choose_rows(t_ms, td, cfg.acceptance,
+                                    frozenset(m for m, ok in exact.items() if not ok))
+        by_dtype[dtype] = {"t_ms": _keyed(t_ms), "rows": rows, "exact": exact.get(rows, False),
+                           "rows_checked": {str(m): ok for m, ok in exact.items()},
+                           "static_k": k,
+                           "modelled_tokens_per_s": round(1e3 * rate, 2),
+                           "plain_fixed_tokens_per_s": round(1e3 / t_ms[rows], 2),
+                           "plain_free_tokens_per_s": round(1e3 / t_ms[1], 2)}
+    target_dtype = max(dtypes, key=lambda d: by_dtype[d]["modelled_tokens_per_s"])
+    fastest = min(dtypes, key=lambda d: curves["target", d][1])
+    chosen = by_dtype[target_dtype]
+    rows = chosen["rows"]
+    return {
+        "format": FORMAT,
+        "target": {"spec": cfg.target, "sha256": model_file_sha256(cfg.target),
+                   "dtype": target_dtype, "t_ms": chosen["t_ms"], "by_dtype": by_dtype},
+        "draft": None if not draft_spec else {
+            "spec": draft_spec, "sha256": model_file_sha256(draft_spec), "dtype": draft_dtype,
+            "t_ms": _keyed(curves["draft", draft_dtype]),
+            "by_dtype": {d: {"t_ms": _keyed(curves["draft", d])} for d in dtypes}},
+        "pass_shape": f"fixed:{rows}",
+        "pad_to": {str(n): PassShape(fixed=rows).rows(n) for n in range(1, cfg.max_n + 1)},
+        "fastest_plain": {"dtype": fastest, "pass_shape": "free",
+                          "t_ms": curves["target", fastest][1]},
+        "acceptance": cfg.acceptance, "context": cfg.context, "repeats": cfg.repeats,
+        "device": str(device), "device_name": device_name(device),
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "made": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _keyed(curve: dict[int, float]) -> dict[str, float]:
+    return {str(n): t for n, t in sorted(curve.items())}
+
+
+def curve(entry: dict) -> dict[int, float]:
+    """A profile's ``t_ms`` mapping with integer keys."""
+    return {int(n): float(t) for n, t in entry["t_ms"].items()}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def default_path(target: str, draft: str | None, device: torch.device) -> Path:
+    """Where the profile of this pair on this device and thread count lives."""
+    key = "|".join(str(x) for x in (target, model_file_sha256(target), draft,
+                                    draft and model_file_sha256(draft), device_name(device),
+                                    device.type, torch.get_num_threads(), torch.__version__))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    name = f"{_slug(target)}--{_slug(draft or 'none')}--{device.type}-" \
+           f"{torch.get_num_threads()}t-{digest}.json"
+    return profile_dir() / name
+
+
+def _slug(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(spec).name)[:40]
+
+
+def calibrate(cfg: CalibrateConfig, progress: bool = True) -> tuple[dict, Path]:
+    """Measure, choose, and save; returns (profile, path)."""
+    profile = build_profile(cfg, measure(cfg, progress))
+    draft = profile["draft"]["spec"] if profile["draft"] else None
+    path = Path(cfg.out) if cfg.out else default_path(cfg.target, draft,
+                                                       resolve_device(cfg.device))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(profile, indent=2))
+    os.replace(tmp, path)
+    return profile, path
+
+
+def read_profile(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        profile = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"profile not found: {path} (make one with draftctl calibrate)") \
+            from None
+    except json.JSONDecodeError as err:
+        raise ProfileError(f"profile {path} is not valid JSON: {err}") from None
+    if not isinstance(profile, dict) or profile.get("format") != FORMAT:
+        raise ProfileError(f"{path} is not a draftctl profile (format {FORMAT})")
+    return profile
+
+
+def check_profile(profile: dict, path: str | Path, target: str, draft: str | None,
+                  device: torch.device, dtype: str | None = None) -> None:
+    """Refuse a profile measured for other models, another device, or without ``dtype``."""
+    made = profile["target"]
+    if made["spec"] != target or made["sha256"] != model_file_sha256(target):
+        raise ProfileError(f"profile {path} was measured for target {made['spec']!r}, not "
+                           f"{target!r} (or its weights changed): run draftctl calibrate")
+    made_draft = profile["draft"]["spec"] if profile["draft"] else None
+    if draft is not None and made_draft != draft:
+        raise ProfileError(f"profile {path} was measured with draft {made_draft!r}, not "
+                           f"{draft!r}: run draftctl calibrate --draft {draft}")
+    if torch.device(profile["device"]).type != device.type:
+        raise ProfileError(f"profile {path} was measured on {profile['device']}, not "
+                           f"{device.type}")
+    if dtype is not None and dtype not in made["by_dtype"]:
+        raise ProfileError(f"profile {path} was measured in {', '.join(made['by_dtype'])}, "
+                           f"not {dtype}: run draftctl calibrate --dtypes {dtype}")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a decoding job runs with: the target's and the draft's dtype, the target's pass
+    shape, and the profile these came from (None when nothing needed one)."""
+
+    target_dtype: str
+    draft_dtype: str
+    shape: PassShape
+    profile: dict | None = None
+    profile_path: str | None = None
+
+    def describe(self) -> dict:
+        return {"target_dtype": self.target_dtype, "draft_dtype": self.draft_dtype,
+                "pass_shape": self.shape.describe(), "bit_exact": self.shape.exact,
+                "profile": self.profile_path}
+
+    def fastest_plain(self) -> tuple[str, PassShape]:
+        """(dtype, shape) of the fastest plain decoding the profile measured (without a
+        profile: the target's dtype, unpadded)."""
+        if self.profile is None:
+            return self.target_dtype, PassShape()
+        return self.profile["fastest_plain"]["dtype"], PassShape()
+
+    def fastest_plain_describe(self) -> dict:
+        dtype, shape = self.fastest_plain()
+        return {"dtype": dtype, "pass_shape": shape.describe()}
+
+
+def settle(target: str, draft: str | None, device: str | torch.device = "auto",
+           dtype: str = "auto", pass_shape: str = "auto", profile: str | None = None,
+           progress: bool = True, need_profile: bool = False) -> Setup:
+    """Resolve dtypes and the pass shape for a job, reading (or making, once) the profile.
+
+    A profile is needed for ``dtype`` auto, for ``pass_shape`` auto or cheapest, and when
+    ``need_profile`` (a job that models time); if none exists for this pair, device and thread
+    count, one is calibrated now and saved.
+    """
+    dev = resolve_device(device)
+    explicit = None if dtype == "auto" else str(resolve_dtype(dtype, dev)).removeprefix("torch.")
+    needed = need_profile or profile is not None or explicit is None or pass_shape in (
+        "auto", "cheapest")
+    if not needed:
+        return Setup(explicit, explicit, PassShape.parse(pass_shape))
+    if profile is not None:
+        path = Path(profile)
+        data = read_profile(path)
+    else:
+        path = default_path(target, draft, dev)
+        if path.is_file():
+            data = read_profile(path)
+        else:
+            notice(f"no calibrated profile for {target} with draft {draft} on this {dev.type} "
+                   f"({torch.get_num_threads()} threads): measuring it now, once "
+                   f"(draftctl calibrate redoes it)")
+            data, path = calibrate(CalibrateConfig(target=target, draft=draft or "none",
+                                                   device=str(dev)), progress)
+    check_profile(data, path, target, draft, dev, explicit)
+    target_dtype = explicit or data["target"]["dtype"]
+    if explicit is not None:
+        draft_dtype = explicit
+    elif data["draft"] is not None:
+        draft_dtype = data["draft"]["dtype"]
+    else:
+        draft_dtype = target_dtype
+    entry = data["target"]["by_dtype"][target_dtype]
+    if pass_shape == "auto":
+        shape = PassShape(fixed=entry["rows"])
+    elif pass_shape == "cheapest":
+        pad = cheapest_pad(curve(entry))
+        shape = PassShape(pad_to=tuple(pad[n] for n in sorted(pad)))
+    else:
+        shape = PassShape.parse(pass_shape)
+    return Setup(target_dtype, draft_dtype, shape, data, str(path))
+
+
+def format_profile(profile: dict) -> str:
+    """The measured curves and the choices, as a table for the terminal."""
+    target = profile["target"]
+    dtypes = list(target["by_dtype"])
+    ns = sorted(int(n) for n in target["t_ms"])
+    lines = [f"{target['spec']} on {profile['device']} ({profile['device_name']}, "
+             f"{profile['threads']} threads), cache {profile['context']} tokens: ms per pass "
+             "over n new tokens"]
+    lines.append(f"{'n':<10}" + "".join(f"{n:>7}" for n in ns))
+    for dtype in dtypes:
+        t = curve(target["by_dtype"][dtype])
+        lines.append(f"{dtype:<10}" + "".join(f"{t[n]:>7.1f}" for n in ns))
+    if profile["draft"]:
+        steps = ", ".join(f"{d} {e['t_ms']['1']:.2f} ms"
+                          for d, e in profile["draft"]["by_dtype"].items())
+        lines.append(f"draft {profile['draft']['spec']}: one step {steps}")
+    lines.append(f"for per-token acceptance {profile['acceptance']}:")
+    for dtype in dtypes:
+        e = target["by_dtype"][dtype]
+        lines.append(f"  {dtype:<9} fixed:{e['rows']:<3} static:{e['static_k']:<3} modelled "
+                     f"{e['modelled_tokens_per_s']:.1f} tok/s (plain: {e['plain_fixed_tokens_per_s']:.1f}"
+                     f" at fixed:{e['rows']}, {e['plain_free_tokens_per_s']:.1f} unpadded)")
+    draft_dtype = profile["draft"]["dtype"] if profile["draft"] else "-"
+    lines.append(f"chosen: target {target['dtype']}, draft {draft_dtype}, pass shape "
+                 f"{profile['pass_shape']}; fastest plain decoding: "
+                 f"{profile['fastest_plain']['dtype']} unpadded")
+    return "\n".join(lines)
+
+
+def sensitivity(profile: dict, alphas=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> list[dict]:
+    """For each acceptance: the best (dtype, M, K) and its modelled speedup over the fastest
+    plain decoding, from the profile's curves."""
+    draft = profile["draft"]
+    rows = []
+    fastest_ms = profile["fastest_plain"]["t_ms"]
+    for alpha in alphas:
+        best = None
+        for dtype, entry in profile["target"]["by_dtype"].items():
+            t_ms = curve(entry)
+            t_draft = curve(draft)[1] if draft else 0.1 * t_ms[1]
+            m, k, rate = choose_rows(t_ms, t_draft, alpha, _inexact(entry))
+            if best is None or rate > best["rate"]:
+                best = {"acceptance": alpha, "dtype": dtype, "rows": m, "static_k": k,
+                        "rate": rate}
+        best["speedup_vs_fastest_plain"] = round(best.pop("rate") * fastest_ms, 3)
+        rows.append(best)
+    return rows
