@@ -200,12 +200,13 @@ def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     for rep in tqdm(range(cfg.repeats), desc="calibrate", unit="round", disable=not progress):
+        # each model's sweep runs back to back, as its passes do in decoding; models and
+        # pass sizes take turns in a rotating order, so that machine noise hits all alike
         order = list(every.items())
-        order = order[rep % len(order):] + order[:rep % len(order)]
-        for n in range(1, cfg.max_n + 1):
-            for key, lm in order:
-                if n in sizes[key]:
-                    timed(key, lm, n)
+        for key, lm in order[rep % len(order):] + order[:rep % len(order)]:
+            ns = list(sizes[key])
+            for n in ns[rep % len(ns):] + ns[:rep % len(ns)]:
+                timed(key, lm, n)
     curves = {key: {n: _median_ms(times[(*key, n)]) for n in sizes[key]} for key in every}
     exact = {}
     for dtype, lm in lms.items():  # check shapes from the fastest down until one is exact

@@ -8,18 +8,50 @@ import torch
 from draftctl.cli import main
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.decode.cached_lm import CachedLM, PassShape, rows_are_exact
 from draftctl.distill.model import DraftLM
 from draftctl.models import BUILTIN_DRAFTS, LoadedModel, encode_prompt, load_model, perturbed_copy
 from draftctl.prompts import load_prompts
 
-SPECS = ["static:4", "heuristic", "confidence-roc", "pmin", "svip", "adaedl"]
+SPECS = ["static:1", "static:4", "static:9", "heuristic", "confidence", "confidence-roc",
+         "pmin", "svip", "adaedl", "oracle"]
+DTYPES = ["float32", "bfloat16"]
 
 
-@pytest.fixture(scope="module")
-def real_pair(smollm2):
-    draft = LoadedModel("smollm2+noise", perturbed_copy(smollm2.model, 0.02, seed=3),
-                        smollm2.tokenizer, smollm2.device, smollm2.dtype)
-    return smollm2, draft
+@pytest.fixture(scope="module", params=DTYPES)
+def real_pair(request, smollm2):
+    target = smollm2 if request.param == "float32" else load_model(
+        "smollm2-135m-instruct", "cpu", request.param)
+    draft = LoadedModel("smollm2+noise", perturbed_copy(target.model, 0.02, seed=3),
+                        target.tokenizer, target.device, target.dtype)
+    return target, draft
+
+
+def exact_rows(target: LoadedModel, candidates=(8, 4)) -> int:
+    """A fixed pass shape that is exact for this model and dtype on this machine."""
+    ids = torch.tensor(encode_prompt(target.tokenizer, "Count from one to twenty in words."))
+    return next(m for m in candidates if rows_are_exact(target.model, len(target.tokenizer),
+                                                         m, ids))
+
+
+def test_a_tokens_logits_do_not_depend_on_its_pass(real_pair):
+    """With a fixed pass shape, a token verified alone and one verified in a block of drafts
+    (or in a chunk of a longer one) get bitwise the same logits, in either dtype."""
+    target, _ = real_pair
+    rows = exact_rows(target)
+    lm = CachedLM(target.model, len(target.tokenizer), PassShape(fixed=rows))
+    ids = torch.tensor(encode_prompt(target.tokenizer, load_prompts(split="test")[0].text))
+    prompt, fed = ids[:-14], ids[-14:]
+    results = []
+    for sizes in ([1] * 14, [rows] * (14 // rows) + [14 % rows], [3, rows + 1, 10 - rows]):
+        lm.reset()
+        lm.prefill(prompt)
+        at, out = 0, []
+        for n in filter(None, sizes):
+            out.append(lm.forward(fed[at:at + n]))
+            at += n
+        results.append(torch.cat(out))
+    assert all(torch.equal(results[0], other) for other in results[1:])
 
 
 def test_builtin_target_loads_offline_with_its_chat_template(smollm2):
@@ -39,15 +71,20 @@ def test_plain_decoding_equals_hf_generate(smollm2):
 
 
 def test_greedy_speculative_decoding_is_lossless_on_the_real_model(real_pair):
+    """Bit-exact in float32 and bfloat16: every controller's output is plain decoding's."""
     target, draft = real_pair
-    decoder = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=24))
+    config = DecodeConfig(max_new_tokens=24, pass_shape=PassShape(fixed=exact_rows(target)))
+    decoder = SpeculativeDecoder.from_loaded(target, draft, config)
     prompts = load_prompts(split="test", limit=3)
     accepted = drafted = 0
     for prompt in prompts:
         ids = encode_prompt(target.tokenizer, prompt.text)
         reference = generate(decoder, ids, make_controller("none")).output_ids
         for spec in SPECS:
-            result = generate(decoder, ids, make_controller(spec))
+            controller = make_controller(spec)
+            if spec == "oracle":
+                controller.set_reference(reference)
+            result = generate(decoder, ids, controller)
             assert result.output_ids == reference, (prompt.question_id, spec)
             accepted += sum(r.n_accepted for r in result.rounds)
             drafted += sum(r.drafted for r in result.rounds)

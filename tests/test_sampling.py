@@ -1,5 +1,6 @@
 """Sampling is lossless: SD's output has exactly the processed target distribution."""
 
+import copy
 import itertools
 
 import numpy as np
@@ -9,6 +10,7 @@ from scipy.stats import chisquare
 
 from draftctl.controllers import make_controller
 from draftctl.decode import SamplingConfig
+from draftctl.decode.cached_lm import CachedLM, PassShape
 from tests.conftest import make_decoder, tiny_pair
 
 VOCAB = 6
@@ -26,14 +28,26 @@ def pair():
     torch.set_num_threads(threads)
 
 
-def exact_distribution(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
-    """P(first N_TOKENS tokens) under target-only sampling, by enumeration."""
+def exact_distribution(model, sampling: SamplingConfig,
+                       shape: PassShape | None = None) -> dict[tuple[int, ...], float]:
+    """P(first N_TOKENS tokens) under target-only sampling, by enumeration. With a fixed pass
+    shape, the logits come from passes of that shape, as the decoder computes them (in
+    bfloat16 a batched full forward rounds differently)."""
     probs: dict[tuple[int, ...], float] = {(): 1.0}
+    lm = CachedLM(model, VOCAB, shape) if shape else None
+
+    def last_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+        if lm is None:
+            return model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+        lm.reset()
+        lm.prefill(torch.tensor(PROMPT[:-1]))
+        return lm.forward(torch.tensor(PROMPT[-1:] + list(prefix)))[-1]
+
     with torch.no_grad():
         for _ in range(N_TOKENS):
             prefixes = list(probs)
-            ids = torch.tensor([PROMPT + list(p) for p in prefixes])
-            next_probs = sampling.probs(model(ids).logits[:, -1]).tolist()
+            logits = torch.stack([last_logits(p) for p in prefixes])
+            next_probs = sampling.probs(logits).tolist()
             probs = {p + (t,): probs[p] * next_probs[i][t]
                      for i, p in enumerate(prefixes) for t in range(VOCAB)}
     return probs
@@ -62,10 +76,11 @@ def fits(counts: dict, exact: dict, n: int) -> bool:
     return chisquare(observed, expected).pvalue > 1e-3
 
 
-def test_speculative_sampling_matches_the_target_distribution(pair):
-    target, draft = pair
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculative_sampling_matches_the_target_distribution(pair, dtype):
+    target, draft = (copy.deepcopy(m).to(dtype) for m in pair)
     decoder = make_decoder(target, draft, max_new_tokens=N_TOKENS, **SAMPLING)
-    exact = exact_distribution(target, decoder.config.sampling)
+    exact = exact_distribution(target, decoder.config.sampling, decoder.config.pass_shape)
     assert fits(sample_counts(decoder, make_controller("static:2"), N_SAMPLES), exact, N_SAMPLES)
     # The test has power: the draft's own distribution, sampled as often, does not fit.
     draft_exact = exact_distribution(draft, decoder.config.sampling)

@@ -1,0 +1,109 @@
+"""Calibrated profiles: what calibrate writes, what settle accepts, and the choices' math."""
+
+import json
+
+import pytest
+import torch
+
+from draftctl import models
+from draftctl.cli import main
+from draftctl.decode.cached_lm import PassShape
+from draftctl.profile import (
+    FORMAT,
+    CalibrateConfig,
+    ProfileError,
+    calibrate,
+    candidate_dtypes,
+    cheapest_pad,
+    choose_rows,
+    pass_time,
+    settle,
+)
+from draftctl.train.replay import CostModel
+from tests.test_models import save_model
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calibrate")
+    target, draft = save_model(root / "target"), save_model(root / "draft", seed=1)
+    cfg = CalibrateConfig(target=target, draft=draft, device="cpu", max_n=6, repeats=2,
+                          context=48, out=str(root / "profile.json"))
+    profile, path = calibrate(cfg, progress=False)
+    return target, draft, profile, path
+
+
+def test_calibrate_writes_a_profile_covering_every_pass_size(tiny_profile):
+    target, draft, profile, path = tiny_profile
+    assert json.loads(path.read_text()) == profile and profile["format"] == FORMAT
+    assert profile["target"]["spec"] == target and profile["draft"]["spec"] == draft
+    dtypes = candidate_dtypes(torch.device("cpu"))
+    assert list(profile["target"]["by_dtype"]) == dtypes
+    for dtype, entry in profile["target"]["by_dtype"].items():
+        assert sorted(map(int, entry["t_ms"])) == list(range(1, 7)), dtype
+        assert all(t > 0 for t in entry["t_ms"].values())
+        assert 2 <= entry["rows"] <= 6 and entry["rows_checked"][str(entry["rows"])] is True
+        assert 0 <= entry["static_k"] < entry["rows"]
+    assert profile["target"]["t_ms"] == profile["target"]["by_dtype"][
+        profile["target"]["dtype"]]["t_ms"]
+    rows = profile["target"]["by_dtype"][profile["target"]["dtype"]]["rows"]
+    assert profile["pass_shape"] == f"fixed:{rows}"
+    assert profile["pad_to"] == {str(n): -(-n // rows) * rows for n in range(1, 7)}
+    assert set(profile["draft"]["by_dtype"]) == set(dtypes) and profile["draft"]["t_ms"]["1"] > 0
+    assert profile["fastest_plain"]["dtype"] in dtypes
+    assert {"device", "threads", "torch"} <= set(profile)
+
+
+def test_settle_uses_the_profile_and_refuses_one_made_for_other_models(tiny_profile, tmp_path):
+    target, draft, profile, path = tiny_profile
+    setup = settle(target, draft, "cpu", profile=str(path))
+    assert setup.target_dtype == profile["target"]["dtype"]
+    assert setup.draft_dtype == profile["draft"]["dtype"]
+    assert setup.shape == PassShape.parse(profile["pass_shape"]) and setup.shape.exact
+    other = save_model(tmp_path / "other", seed=5)
+    with pytest.raises(ProfileError, match=f"measured for target '{target}', not '{other}'"):
+        settle(other, draft, "cpu", profile=str(path))
+    with pytest.raises(ProfileError, match=f"measured with draft '{draft}', not '{other}'"):
+        settle(target, other, "cpu", profile=str(path))
+    only32 = json.loads(path.read_text())
+    del only32["target"]["by_dtype"]["bfloat16"]
+    (tmp_path / "f32.json").write_text(json.dumps(only32))
+    if "bfloat16" in candidate_dtypes(torch.device("cpu")):
+        with pytest.raises(ProfileError, match="measured in float32, not bfloat16"):
+            settle(target, draft, "cpu", dtype="bfloat16", profile=str(tmp_path / "f32.json"))
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ProfileError, match="is not a draftctl profile"):
+        settle(target, draft, "cpu", profile=str(tmp_path / "junk.json"))
+    assert settle(target, draft, "cpu", dtype="float32", pass_shape="free").profile is None
+
+
+def test_calibrate_cli_prints_the_curve_and_the_choice(tiny_profile, tmp_path, capsys):
+    target, draft, _, _ = tiny_profile
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--target", target, "--draft", draft, "--device", "cpu",
+                 "--dtypes", "float32", "--max-n", "3", "--repeats", "1", "--context", "20",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "float32" in printed and "chosen: target float32" in printed and str(out) in printed
+    assert list(json.loads(out.read_text())["target"]["by_dtype"]) == ["float32"]
+
+
+def test_a_cpu_without_bfloat16_falls_back_to_float32_with_a_notice(monkeypatch, capsys):
+    monkeypatch.setattr(models, "bfloat16_supported", lambda device: False)
+    assert models.resolve_dtype("bfloat16", torch.device("cpu")) == torch.float32
+    assert "no bfloat16 instructions: using float32" in capsys.readouterr().err
+    assert candidate_dtypes(torch.device("cpu")) == ["float32"]
+
+
+def test_choices_follow_the_cost_curve():
+    flat = {n: 10.0 + 0.1 * n for n in range(1, 17)}  # a GPU-like curve: wide passes pay
+    steep = {n: 10.0 * n ** 0.9 for n in range(1, 17)}  # a CPU-like curve: they do not
+    assert choose_rows(flat, 1.0, 0.8)[0] > choose_rows(steep, 1.0, 0.8)[0]
+    assert choose_rows(flat, 1.0, 0.8)[0] >= 6
+    assert choose_rows(flat, 1.0, 0.8, frozenset(range(6, 17)))[0] < 6  # inexact shapes skipped
+    assert pass_time(flat, PassShape(fixed=4), 9) == pytest.approx(3 * flat[4])
+    assert pass_time(flat, PassShape(), 20) == pytest.approx(flat[16] + 4 * 0.1)
+    dip = {1: 5.0, 2: 9.0, 3: 9.0, 4: 6.0, 5: 7.0}
+    assert cheapest_pad(dip) == {1: 1, 2: 4, 3: 4, 4: 4, 5: 5}
+    cost = CostModel(0.001, tuple(v / 1e3 for v in flat.values()), shape=PassShape(fixed=4))
+    assert cost.verify(5) == pytest.approx(2 * flat[4] / 1e3) and cost.verify(1) == cost.verify(4)
