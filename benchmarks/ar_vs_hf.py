@@ -1,10 +1,13 @@
-"""Plain autoregressive decoding: draftctl's loop vs transformers' ``generate``.
+"""Plain autoregressive decoding: draftctl's loop vs transformers' ``generate``, per dtype.
 
-Same model (the built-in target unless --target), same 10 prompts, greedy, same machine, one
-run; the two are interleaved prompt by prompt so machine noise hits both alike. Prints and
-writes JSON with the tokens/s ratio (goal: >= 1.0) and checks that both produce the same tokens.
+Same model (the built-in target unless --target), same prompts, greedy, one run. For each
+dtype: draftctl with unpadded passes (``free``), draftctl at the fixed pass shape the profile
+chose for that dtype (what makes speculative decoding bit-exact), and transformers'
+``generate``; the three are interleaved prompt by prompt so machine noise hits all alike.
+Prints and writes JSON with the tokens/s ratios (goal: draftctl free / generate >= 1.05) and
+the cost of the fixed shape (fixed / free), and whether the outputs are identical.
 
-    python benchmarks/ar_vs_hf.py [--target SPEC] [--prompts PATH] [--max-new-tokens 128]
+    python benchmarks/ar_vs_hf.py [--dtypes float32,bfloat16] [--n-prompts 10]
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from common import write_report
 
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.decode.cached_lm import PassShape
 from draftctl.decode.loop import synchronize
-from draftctl.models import DEFAULT_TARGET, encode_prompt, load_model
+from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
+from draftctl.profile import settle
 from draftctl.prompts import load_prompts
 
 
@@ -38,39 +43,54 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help="JSONL prompts (default: draftctl's set)")
     parser.add_argument("--n-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="benchmarks/results/ar_vs_hf.json")
     args = parser.parse_args()
 
-    target = load_model(args.target, args.device)
-    eos = sorted(target.eos_token_ids)
-    decoder = SpeculativeDecoder.from_loaded(target, None,
-                                             DecodeConfig(max_new_tokens=args.max_new_tokens))
+    profile = settle(args.target, default_draft(args.target), args.device).profile
     prompts = load_prompts(args.prompts, "test", args.n_prompts)
-    encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
-    generate(decoder, encoded[0], make_controller("none"))  # warm-up, both paths
-    hf_generate(target.model, encoded[0], 8, eos)
-
-    rows = []
-    for prompt, ids in zip(prompts, encoded):
-        ours = generate(decoder, ids, make_controller("none"))
-        hf_tokens, hf_s = hf_generate(target.model, ids, args.max_new_tokens, eos)
-        rows.append({"question_id": prompt.question_id, "new_tokens": ours.new_tokens,
-                     "draftctl_s": ours.wall_s, "hf_tokens": len(hf_tokens), "hf_s": hf_s,
-                     "identical": ours.output_ids == hf_tokens})
-        print(f"q{prompt.question_id:>4}: draftctl {ours.tokens_per_s:6.2f} tok/s, "
-              f"hf {len(hf_tokens) / hf_s:6.2f} tok/s, identical={rows[-1]['identical']}")
-
-    ours_tps = sum(r["new_tokens"] for r in rows) / sum(r["draftctl_s"] for r in rows)
-    hf_tps = sum(r["hf_tokens"] for r in rows) / sum(r["hf_s"] for r in rows)
-    report = {"target": args.target, "device": str(target.device), "torch": torch.__version__,
+    report = {"target": args.target, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
-              "draftctl_tokens_per_s": ours_tps, "hf_tokens_per_s": hf_tps,
-              "ratio": ours_tps / hf_tps, "all_identical": all(r["identical"] for r in rows),
-              "prompts": rows}
+              "dtypes": {}}
+    for dtype in args.dtypes.split(","):
+        target = load_model(args.target, args.device, dtype)
+        eos = sorted(target.eos_token_ids)
+        rows = profile["target"]["by_dtype"][dtype]["rows"]
+        decoders = {name: SpeculativeDecoder.from_loaded(target, None, DecodeConfig(
+            max_new_tokens=args.max_new_tokens, pass_shape=shape))
+            for name, shape in (("free", PassShape()), (f"fixed:{rows}", PassShape(fixed=rows)))}
+        encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
+        for decoder in decoders.values():  # warm-up, untimed
+            generate(decoder, encoded[0], make_controller("none"))
+        hf_generate(target.model, encoded[0], 8, eos)
+        totals = {name: [0, 0.0] for name in [*decoders, "hf"]}
+        identical = dict.fromkeys(decoders, 0)
+        for i, ids in enumerate(encoded):
+            names = [*decoders, "hf"]
+            outputs = {}
+            for name in names[i % 3:] + names[:i % 3]:
+                if name == "hf":
+                    tokens, seconds = hf_generate(target.model, ids, args.max_new_tokens, eos)
+                else:
+                    result = generate(decoders[name], ids, make_controller("none"))
+                    tokens, seconds = result.output_ids, result.wall_s
+                outputs[name] = tokens
+                totals[name][0] += len(tokens)
+                totals[name][1] += seconds
+            for name in decoders:
+                identical[name] += outputs[name] == outputs["hf"]
+        rate = {name: n / s for name, (n, s) in totals.items()}
+        fixed = f"fixed:{rows}"
+        report["dtypes"][dtype] = {
+            "tokens_per_s": rate, "draftctl_free_over_hf": rate["free"] / rate["hf"],
+            "draftctl_fixed_over_hf": rate[fixed] / rate["hf"],
+            "fixed_shape_cost": rate["free"] / rate[fixed], "fixed_shape": fixed,
+            "identical_to_hf": identical, "prompts": len(encoded)}
+        print(f"{dtype}: draftctl free {rate['free']:.2f}, draftctl {fixed} {rate[fixed]:.2f}, "
+              f"hf generate {rate['hf']:.2f} tok/s; free/hf {rate['free'] / rate['hf']:.3f}, "
+              f"{fixed}/hf {rate[fixed] / rate['hf']:.3f}")
     write_report(report, args.out, show=False)
-    print(f"draftctl {ours_tps:.2f} tok/s, hf generate {hf_tps:.2f} tok/s, "
-          f"ratio {report['ratio']:.3f} (goal >= 1.0), identical: {report['all_identical']}")
 
 
 if __name__ == "__main__":

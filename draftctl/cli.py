@@ -39,7 +39,7 @@ def _decode(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from draftctl.bench.report import format_table
+    from draftctl.bench.report import format_table, setup_line
 
     job = quick_demo() if args.quick else DemoJob()
     for key in ("prompts", "collect_per_category", "bench_per_category", "max_new_tokens",
@@ -51,6 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"\n{bench['target']} with draft {bench['draft']}, {bench['prompts']} test prompts, "
           f"greedy, {job.max_new_tokens} new tokens each; chosen on dev: "
           f"{', '.join(summary['dev_choices'].values())}")
+    print(setup_line(bench))
     print(format_table(bench))
     print(f"\nreport: {summary['report']} (plots and answers next to it)")
     if bench["mismatches"]:

@@ -29,6 +29,7 @@ from draftctl.distill.data import choose_head_ids, generate_responses, read_resp
 from draftctl.distill.model import DraftLM, from_target, load_draft, save_draft, trainable_state
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, LoadedModel, load_model, model_file_sha256
+from draftctl.profile import settle
 from draftctl.prompts import load_prompts
 
 
@@ -65,8 +66,16 @@ class DistillConfig:
     checkpoint_every: int = 100
     seed: int = 0
     device: str = "cpu"
+    # the target's dtype for its responses and labels; auto: the calibrated one (bfloat16
+    # where the CPU has it). The shipped recipe pins float32, in which it was made.
+    dtype: str = "auto"
     threads: int | None = None
     notes: str = ""
+
+
+def target_dtype(target: str, device: str, dtype: str) -> str:
+    """``auto``: the target's calibrated dtype (its profile, made once if missing)."""
+    return settle(target, None, device).target_dtype if dtype == "auto" else dtype
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -160,7 +169,7 @@ def run_distill(cfg: DistillConfig) -> dict:
     out = Path(cfg.out)
     (out / "data").mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "distill.yaml")
-    target = load_model(cfg.target, cfg.device, "float32")
+    target = load_model(cfg.target, cfg.device, target_dtype(cfg.target, cfg.device, cfg.dtype))
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit)
     eval_prompts = load_prompts(cfg.eval_prompts or cfg.prompts, cfg.eval_split, cfg.eval_limit)
     if {p.question_id for p in prompts} & {p.question_id for p in eval_prompts}:
@@ -208,7 +217,8 @@ def run_distill(cfg: DistillConfig) -> dict:
         "training": {"steps": step, "history": history},
         "agreement_eval_float32": final_agreement,
         "config": asdict(cfg),
-        "made_on": {"device": str(target.device), "threads": torch.get_num_threads(),
+        "made_on": {"device": str(target.device), "target_dtype": str(target.dtype),
+                    "threads": torch.get_num_threads(),
                     "machine": platform.machine(), "torch": torch.__version__},
         "wall_minutes_this_run": (time.time() - started) / 60,
     }
