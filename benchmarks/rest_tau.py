@@ -5,7 +5,7 @@ that spells the target's own greedy continuation there. The script decodes each 
 with plain greedy decoding, then walks that output round by round for every drafter spec:
 look up the context, accept the longest matching path (depth capped like ``static:K``),
 advance by that plus the bonus token. Only lookups run per setting, so many settings cost
-one decoding. The walk is what ``RetrievalDecoder`` does; the script checks that on the
+one decoding. The walk is what the decoder does with a ``RetrievalDrafter``; the script checks that on the
 first prompt against a real run of the first spec.
 
     python benchmarks/rest_tau.py --prompts benchmarks/prompts/code.jsonl \
@@ -25,7 +25,8 @@ from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.decode.tree import accepted_path
 from draftctl.models import DEFAULT_TARGET, encode_prompt, load_model
 from draftctl.prompts import load_prompts
-from draftctl.retrieval import make_retriever, retrieval_decoder
+from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.retrieval import make_retriever
 
 
 def walk(retriever, prompt_ids: list[int], output: list[int], depth: int,
@@ -73,7 +74,9 @@ def main() -> None:
 
     # The walk against a real REST run of the first spec on the first prompt.
     first = args.drafters[0]
-    real = generate(retrieval_decoder(target, retrievers[first], plain.config), encoded[0],
+    rest = SpeculativeDecoder.from_loaded(target, RetrievalDrafter(retrievers[first]),
+                                          plain.config)
+    real = generate(rest, encoded[0],
                     make_controller(f"static:{args.depth}"))
     walked, _ = walk(retrievers[first], encoded[0], outputs[0], args.depth, args.max_new_tokens)
     if real.output_ids != outputs[0] or len(real.rounds) != walked:

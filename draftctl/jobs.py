@@ -14,7 +14,8 @@ from draftctl.decode import DecodingOptions, GenerationResult, SpeculativeDecode
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
-from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
+from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.retrieval import is_retrieval, make_retriever
 
 
 class JobError(DraftctlError):
@@ -62,12 +63,11 @@ def run_decode(job: DecodeJob) -> Decoded:
     config = job.decode_config(setup.shape)
     target = load_model(job.target, job.device, setup.target_dtype)
     if retrieval:
-        decoder = retrieval_decoder(target, make_retriever(job.drafter, target.tokenizer),
-                                    config)
+        draft = RetrievalDrafter(make_retriever(job.drafter, target.tokenizer))
     else:
         draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \
             if draft_spec else None
-        decoder = SpeculativeDecoder.from_loaded(target, draft, config)
+    decoder = SpeculativeDecoder.from_loaded(target, draft, config)
     result = generate(decoder, encode_prompt(target.tokenizer, job.prompt, chat=job.chat),
                       controller)
     return Decoded(result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True),

@@ -9,6 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftctl.decode import DecodeConfig, SamplingConfig, SpeculativeDecoder
+from draftctl.decode.cached_lm import CachedLM
+from draftctl.drafters.model import ModelDrafter
 from draftctl.models import perturbed_copy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,13 +41,17 @@ def tiny_pair(vocab_size: int = 97, noise: float = 0.3, **kwargs):
 
 
 def make_decoder(target, draft, eos_ids=(), vocab_size=None, **config) -> SpeculativeDecoder:
+    """A decoder over a target model and a draft model (or any drafter, or None)."""
     vocab_size = vocab_size or target.config.vocab_size
     sampling = {k: config.pop(k) for k in ("temperature", "top_k", "top_p") if k in config}
     if sampling:
         config["sampling"] = SamplingConfig(**sampling)
+    config = DecodeConfig(**config)
+    if isinstance(draft, torch.nn.Module):
+        draft = ModelDrafter(CachedLM(draft, vocab_size), config.sampling)
     return SpeculativeDecoder(target, draft, vocab_size=vocab_size, eos_ids=eos_ids,
                               context_length=target.config.max_position_embeddings,
-                              config=DecodeConfig(**config))
+                              config=config)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,9 @@ import torch
 from draftctl.controllers import Action, Controller, make_controller
 from draftctl.decode import DecodeInputError, generate
 from draftctl.decode.features import FeatureRecord, SequenceState
-from draftctl.decode.tree import RetrievalDecoder, accepted_path, tree_pattern
+from draftctl.decode import SpeculativeDecoder
+from draftctl.decode.tree import accepted_path, tree_pattern
+from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.retrieval.datastore import SEPARATOR, Datastore, DatastoreError, write_datastore
 from draftctl.retrieval.features import prune, trie_records, tried_chain
 from draftctl.retrieval.retriever import Candidates, RetrievalConfig, Retriever, build_trie
@@ -79,8 +81,7 @@ def test_greedy_rest_output_equals_plain_decoding(tiny_models, tmp_path):
         corpus += [*p, *out, SEPARATOR, *p, *rng.integers(0, 97, 10), SEPARATOR]
     corpus += list(rng.integers(0, 97, 2000))
     retriever = Retriever(store(tmp_path, corpus), RetrievalConfig(max_nodes=16))
-    decoder = RetrievalDecoder(target, retriever, vocab_size=97, eos_ids=(),
-                               context_length=256, config=plain.config)
+    decoder = make_decoder(target, RetrievalDrafter(retriever), max_new_tokens=30)
     for prompt, expected in zip(prompts, outputs):
         for spec in ("static:10", "static:2", "none"):
             result = generate(decoder, prompt, make_controller(spec))
@@ -101,7 +102,7 @@ def test_greedy_rest_output_equals_plain_decoding(tiny_models, tmp_path):
         assert strict.output_ids == expected
         assert sum(r.drafted for r in strict.rounds) < sum(r.drafted for r in full.rounds)
         assert sum(r.controller_calls for r in strict.rounds) > 0
-    with pytest.raises(DecodeInputError, match="does not apply to retrieval"):
+    with pytest.raises(DecodeInputError, match="does not apply to tree"):
         generate(decoder, prompts[0], make_controller("oracle"))
 
 
@@ -110,8 +111,8 @@ def test_rest_refuses_sampling(tiny_models, tmp_path):
     retriever = Retriever(store(tmp_path, [1, 2, 3, 4]))
     config = make_decoder(target, None, temperature=0.7).config
     with pytest.raises(DecodeInputError, match="no lossless multi-candidate sampling rule"):
-        RetrievalDecoder(target, retriever, vocab_size=97, eos_ids=(), context_length=256,
-                         config=config)
+        SpeculativeDecoder(target, RetrievalDrafter(retriever), vocab_size=97, eos_ids=(),
+                           context_length=256, config=config)
 
 
 def test_datastore_build_and_tokenizer_mismatch(tmp_path):

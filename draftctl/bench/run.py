@@ -20,7 +20,8 @@ from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
 from draftctl.prompts import load_prompts
-from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
+from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.retrieval import is_retrieval, make_retriever
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
 MODEL = "model"  # the draft model (--draft), as opposed to a rest:DIR drafter
@@ -203,10 +204,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     retrievers = {d: make_retriever(d, target.tokenizer)
                   for d in dict.fromkeys(drafter_of.values()) if d != MODEL}
 
-    def make_decoder(drafter: str, config: DecodeConfig):
-        if drafter != MODEL:
-            return retrieval_decoder(target, retrievers[drafter], config)
-        return SpeculativeDecoder.from_loaded(target, draft, config)
+    def make_decoder(drafter: str, config: DecodeConfig) -> SpeculativeDecoder:
+        source = draft if drafter == MODEL else RetrievalDrafter(retrievers[drafter])
+        return SpeculativeDecoder.from_loaded(target, source, config)
 
     drafters = list(dict.fromkeys([MODEL, *drafter_of.values()]))
     decoders = {d: make_decoder(d, decode_config) for d in drafters}

@@ -35,7 +35,8 @@ from draftctl.models import (
 )
 from draftctl.profile import Setup, curve, settle
 from draftctl.prompts import load_prompts
-from draftctl.retrieval import is_retrieval, make_retriever, retrieval_decoder
+from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.retrieval import is_retrieval, make_retriever
 
 MODES = ("probe", "policy", "dense")
 
@@ -205,11 +206,10 @@ def run_collect(cfg: CollectConfig) -> dict:
                    cfg.pass_shape, cfg.profile, need_profile=True)
     target = load_model(cfg.target, cfg.device, setup.target_dtype)
     if retrieval:
-        retriever = make_retriever(draft_spec, target.tokenizer)
-        decoder = retrieval_decoder(target, retriever, cfg.decode_config(setup.shape))
+        draft = RetrievalDrafter(make_retriever(draft_spec, target.tokenizer))
     else:
         draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target)
-        decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config(setup.shape))
+    decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config(setup.shape))
     encoded = {p.question_id: encode_prompt(target.tokenizer, p.text) for p in prompts}
 
     info_path = out / "run.json"
@@ -221,7 +221,8 @@ def run_collect(cfg: CollectConfig) -> dict:
             raise DraftctlError(f"{out} holds traces of another run (differs in "
                                 f"{', '.join(changed)}); use a new --out")
     else:
-        info = _run_info(cfg, draft_spec, profile_costs(setup, decoder.target.shape), world)
+        shape = PassShape() if retrieval else decoder.target.shape  # tries run unpadded
+        info = _run_info(cfg, draft_spec, profile_costs(setup, shape), world)
         if rank == 0:
             tmp = info_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(info, indent=2))

@@ -270,18 +270,19 @@ class CachedLM:
 
     @torch.inference_mode()
     def forward_masked(self, tokens: torch.Tensor, positions: torch.Tensor,
-                       allowed: torch.Tensor) -> torch.Tensor:
+                       allowed: torch.Tensor, shape: PassShape | None = None) -> torch.Tensor:
         """Feed ``tokens`` (n,) at explicit ``positions`` (n,) under an explicit attention
         pattern: ``allowed`` (n, len(self) + n) bool, True where query i may attend to key j
         (the cached keys, then the new tokens). For trees and batched branches: several
-        continuations share one cache. Returns logits (n, vocab); the cache grows by n."""
+        continuations share one cache. ``shape``: this call's rows, instead of the LM's.
+        Returns logits (n, vocab); the cache grows by n."""
         n = tokens.shape[0]
         if allowed.shape != (n, self._length + n):
             raise ValueError(f"attention pattern has shape {tuple(allowed.shape)}, expected "
                              f"({n}, {self._length + n})")
         start = self._length
         out = []
-        for first, rows in self.shape.chunks(n):
+        for first, rows in (shape or self.shape).chunks(n):
             real = min(rows, n - first)
             pattern = allowed[first:first + real, :start + first + real]
             out.append(self._pass(tokens[first:first + real], rows,

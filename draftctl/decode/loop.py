@@ -22,7 +22,11 @@ from draftctl.controllers.base import Controller
 from draftctl.decode.cached_lm import CachedLM, PassShape
 from draftctl.decode.features import FeatureRecord, SequenceState, records_from_stats
 from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
-from draftctl.drafters.model import Draft, ModelDrafter
+from draftctl.controllers.rules import ReferenceOracle
+from draftctl.decode.tree import verify_tree
+from draftctl.drafters.base import Draft, Drafter
+from draftctl.drafters.model import ModelDrafter
+from draftctl.retrieval.features import tried_chain
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel, check_same_vocabulary
 
@@ -135,38 +139,49 @@ class _Stopwatch:
 
 
 class SpeculativeDecoder:
-    """Batch-size-1 draft/verify decoder over transformers causal LMs.
+    """Batch-size-1 draft/verify decoder over a transformers causal LM.
 
-    target, draft: models on the same device (draft may be None: then only controllers that
-    never draft, such as ``none``, can run). vocab_size: ids the tokenizer defines; logits
-    past it (output-layer padding) are ignored. eos_ids: ids that end generation.
+    target: the target model. drafter: where drafts come from (``draftctl.drafters``: a draft
+    model, REST retrieval, ...), or None: then only controllers that never draft, such as
+    ``none``, can run. Chain drafts are verified in one pass at the target's pass shape, tree
+    drafts under a tree attention mask (``decode.tree``; greedy only). vocab_size: ids the
+    tokenizer defines; logits past it (output-layer padding) are ignored. eos_ids: ids that
+    end generation.
     """
 
-    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, *,
+    def __init__(self, target: torch.nn.Module, drafter: Drafter | None, *,
                  vocab_size: int, eos_ids: Sequence[int], context_length: int,
                  config: DecodeConfig | None = None):
         self.config = config or DecodeConfig()
+        if drafter is not None and drafter.tree and not self.config.sampling.greedy:
+            raise DecodeInputError(
+                "tree drafts (retrieval) are verified as a trie of candidates, and draftctl "
+                "has no lossless multi-candidate sampling rule for them: use greedy decoding "
+                "(temperature 0)")
         self.target = CachedLM(target, vocab_size, self.config.pass_shape)
-        self.drafter = ModelDrafter(CachedLM(draft, vocab_size), self.config.sampling) \
-            if draft is not None else None
+        self.drafter = drafter
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
         self.context_length = context_length
         self.device = next(target.parameters()).device
 
     @classmethod
-    def from_loaded(cls, target: LoadedModel, draft: LoadedModel | None,
+    def from_loaded(cls, target: LoadedModel, draft: LoadedModel | Drafter | None,
                     config: DecodeConfig | None = None) -> SpeculativeDecoder:
-        """Pair loaded models; refuses a draft whose vocabulary differs before any compute."""
+        """Pair a loaded target with a loaded draft model (refused before any compute if its
+        vocabulary differs) or with any other drafter."""
+        config = config or DecodeConfig()
         context = target.context_length
-        if draft is not None:
+        drafter = draft
+        if isinstance(draft, LoadedModel):
             check_same_vocabulary(target.tokenizer, draft.tokenizer, target.spec, draft.spec)
             if draft.device != target.device:
                 raise DecodeInputError(f"draft is on {draft.device}, target on {target.device}")
             context = min(context, draft.context_length)
-        return cls(target.model, draft.model if draft is not None else None,
-                   vocab_size=len(target.tokenizer), eos_ids=target.eos_token_ids,
-                   context_length=context, config=config)
+            drafter = ModelDrafter(CachedLM(draft.model, len(target.tokenizer)),
+                                   config.sampling)
+        return cls(target.model, drafter, vocab_size=len(target.tokenizer),
+                   eos_ids=target.eos_token_ids, context_length=context, config=config)
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
         if len(prompt_ids) == 0:
@@ -187,6 +202,10 @@ class SpeculativeDecoder:
         seed: sampling seed for this sequence (default ``config.seed``).
         """
         self.check_prompt(prompt_ids)
+        if isinstance(controller, ReferenceOracle) and self.drafter is not None \
+                and self.drafter.tree:
+            raise DecodeInputError("the oracle follows a model draft's chain; it does not "
+                                   "apply to tree (retrieval) drafts")
         cfg = self.config
         generator = torch.Generator(self.device).manual_seed(cfg.seed if seed is None else seed)
         seq = torch.tensor(list(prompt_ids), dtype=torch.long, device=self.device)
@@ -207,12 +226,20 @@ class SpeculativeDecoder:
                     f"controller {controller.spec or controller!r} drafts tokens but no draft "
                     "model was given")
             watch.mark()
+            forwards = self.drafter.forwards if self.drafter is not None else 0
             draft = self.drafter.propose(seq, budget, controller, state, generator) \
                 if budget > 0 else Draft.empty(self.vocab_size, self.device)
+            if self.drafter is not None:
+                draft.forwards = self.drafter.forwards - forwards
             watch.mark()
-            verdict, beta, target_argmax = self._verify(seq, draft, generator)
+            if draft.is_tree and len(draft.tokens):
+                verdict, beta, target_argmax = self._verify_tree(seq, draft)
+                tried = [draft.records[k] for k in tried_chain(verdict.tree_path, draft.parents)]
+            else:
+                verdict, beta, target_argmax = self._verify(seq, draft, generator)
+                tried = None
             n = verdict.n_accepted
-            new = torch.cat([draft.tokens[:n], verdict.next_token.view(1)])
+            new = torch.cat([draft.tokens[verdict.path], verdict.next_token.view(1)])
             watch.mark()
             draft_s, verify_s = watch.spans()
             new_host = new.tolist()
@@ -222,13 +249,15 @@ class SpeculativeDecoder:
             records = draft.records
             if records is None:
                 records = records_from_stats(draft.stats.tolist(), state)
-            controller.observe(records, n)
+            controller.observe(records if tried is None else tried, n)
             yield RoundRecord(
                 index=index, draft_tokens=draft.tokens.tolist(), features=records,
                 n_accepted=n, accept_prob=verdict.accept_prob.tolist(), beta=beta.tolist(),
-                target_argmax=target_argmax.tolist(), new_tokens=new_host, discarded=draft.discarded, draft_forwards=draft.forwards,
+                target_argmax=target_argmax.tolist(), new_tokens=new_host,
+                discarded=draft.discarded, draft_forwards=draft.forwards,
                 draft_time_s=draft_s, verify_time_s=verify_s,
-                controller_time_s=draft.controller_s, controller_calls=draft.controller_calls)
+                controller_time_s=draft.controller_s, controller_calls=draft.controller_calls,
+                tree_parents=draft.parents or [])
             seq = torch.cat([seq, new])
             produced += len(new_host)
             state = state.after_round(len(seq), len(records), n)
@@ -238,15 +267,17 @@ class SpeculativeDecoder:
 
     def _verify(self, seq: torch.Tensor, draft: Draft,
                 generator: torch.Generator) -> tuple[Verdict, torch.Tensor, torch.Tensor]:
-        """One target pass over the last token and the draft, then roll both caches back to
-        the accepted prefix. Returns the verdict, per-token beta (k,) and target argmax (k,)."""
+        """One target pass over the last token and a chain draft, then roll both caches back
+        to the accepted prefix. Returns the verdict, per-token beta (k,) and target argmax
+        (k,)."""
         k = draft.tokens.shape[0]
         fed = torch.cat([seq[len(self.target):], draft.tokens])
         target_logits = self.target.forward(fed)[-(k + 1):]  # (k+1, V)
         sampling = self.config.sampling
         if sampling.greedy:
             verdict = verify_greedy(draft.tokens, target_logits)
-            beta = overlap(torch.softmax(target_logits[:k].float(), -1), draft.raw_probs)
+            beta = overlap(torch.softmax(target_logits[:k].float(), -1), draft.raw_probs) \
+                if draft.raw_probs is not None else target_logits.new_zeros(0)
         else:
             p_target = sampling.probs(target_logits)
             q_draft = draft.q_draft if k else p_target[:0]
@@ -254,8 +285,21 @@ class SpeculativeDecoder:
             beta = overlap(p_target[:k], q_draft)
         self.target.truncate(len(seq) + verdict.n_accepted)
         if self.drafter is not None:
-            self.drafter.rollback(len(seq) + verdict.n_accepted)
+            self.drafter.accepted(len(seq) + verdict.n_accepted)
         return verdict, beta, target_logits[:k].argmax(dim=-1)
+
+    def _verify_tree(self, seq: torch.Tensor,
+                     draft: Draft) -> tuple[Verdict, torch.Tensor, torch.Tensor]:
+        """One tree pass over the last token and the trie (greedy), keeping the accepted
+        path's cache entries. Returns the verdict (``accept_prob`` 1.0 on the path), an empty
+        beta, and the target's argmax after each node's parent."""
+        path, argmax = verify_tree(self.target, seq, draft.tokens, draft.parents)
+        accept = torch.zeros(len(draft.tokens), device=self.device)
+        accept[path] = 1.0
+        after_parent = torch.tensor([argmax[p + 1] for p in draft.parents], device=self.device)
+        bonus = torch.tensor(argmax[path[-1] + 1 if path else 0], device=self.device)
+        self.drafter.accepted(len(seq) + len(path))
+        return Verdict(len(path), bonus, accept, path), accept.new_zeros(0), after_parent
 
 
 @dataclass
@@ -304,8 +348,8 @@ def generate(decoder: SpeculativeDecoder, prompt_ids: Sequence[int], controller:
              seed: int | None = None) -> GenerationResult:
     """Run ``decoder.rounds`` to the end and collect the result, timed end to end."""
     target_before = decoder.target.forwards
-    draft_lm = decoder.drafter.lm if decoder.drafter is not None else None
-    draft_before = draft_lm.forwards if draft_lm is not None else 0
+    drafter = decoder.drafter
+    draft_before = drafter.forwards if drafter is not None else 0
     synchronize(decoder.device)
     start = time.perf_counter()
     rounds = list(decoder.rounds(prompt_ids, controller, seed))
@@ -321,7 +365,7 @@ def generate(decoder: SpeculativeDecoder, prompt_ids: Sequence[int], controller:
     return GenerationResult(
         prompt_ids=list(prompt_ids), output_ids=output, rounds=rounds, wall_s=wall,
         target_forwards=decoder.target.forwards - target_before,
-        draft_forwards=(draft_lm.forwards - draft_before) if draft_lm is not None else 0,
+        draft_forwards=(drafter.forwards - draft_before) if drafter is not None else 0,
         stop_reason=reason)
 
 

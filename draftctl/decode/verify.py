@@ -56,11 +56,19 @@ class Verdict:
         bonus token (after a full accept).
     accept_prob: (k,) per-token ``min(1, p/q)``; in greedy mode 1.0 if the token is the
         target's argmax, else 0.0. Computed for every drafted token, reached or not.
+    tree_path: for a tree draft, the accepted nodes from the root down; None for a chain,
+        whose accepted tokens are its first ``n_accepted``.
     """
 
     n_accepted: int
     next_token: torch.Tensor
     accept_prob: torch.Tensor
+    tree_path: list[int] | None = None
+
+    @property
+    def path(self) -> list[int] | slice:
+        """Index of the accepted draft tokens, in order."""
+        return self.tree_path if self.tree_path is not None else slice(0, self.n_accepted)
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:

@@ -3,47 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.cached_lm import CachedLM
-from draftctl.decode.features import (
-    TOP_K,
-    FeatureRecord,
-    SequenceState,
-    distribution_stats,
-    make_record,
-)
+from draftctl.decode.features import SequenceState, distribution_stats, make_record
 from draftctl.decode.verify import SamplingConfig
-
-
-@dataclass
-class Draft:
-    """One round's proposal.
-
-    tokens: (k,) long on the device. raw_probs: (k, V) temperature-1 softmax (features, beta
-    in greedy mode). q_draft: (k, V) processed distribution the tokens were sampled from, or
-    None in greedy mode. stats: (k, 1 + TOP_K) ``distribution_stats`` rows.
-    records: the feature records if the controller read them during drafting, else None.
-    """
-
-    tokens: torch.Tensor
-    raw_probs: torch.Tensor
-    q_draft: torch.Tensor | None
-    stats: torch.Tensor
-    records: list[FeatureRecord] | None
-    forwards: int = 0
-    discarded: int = 0
-    controller_s: float = 0.0
-    controller_calls: int = 0
-
-    @classmethod
-    def empty(cls, vocab_size: int, device: torch.device) -> Draft:
-        return cls(torch.empty(0, dtype=torch.long, device=device),
-                   torch.empty(0, vocab_size, device=device), None,
-                   torch.empty(0, 1 + TOP_K, device=device), [])
+from draftctl.drafters.base import Draft
 
 
 class ModelDrafter:
@@ -54,14 +21,21 @@ class ModelDrafter:
     ``propose`` feeds them first ("catch-up"), so the first draft step may process 1-2 tokens.
     """
 
+    tree = False
+    hidden_layers: tuple[int, ...] = ()
+
     def __init__(self, lm: CachedLM, sampling: SamplingConfig):
         self.lm = lm
         self.sampling = sampling
 
+    @property
+    def forwards(self) -> int:
+        return self.lm.forwards
+
     def reset(self) -> None:
         self.lm.reset()
 
-    def rollback(self, length: int) -> None:
+    def accepted(self, length: int, hidden: torch.Tensor | None = None) -> None:
         """Keep at most the first ``length`` tokens of the sequence in the draft cache."""
         self.lm.truncate(length)
 

@@ -7,9 +7,6 @@ from typing import TYPE_CHECKING
 from draftctl.errors import DraftctlError
 
 if TYPE_CHECKING:
-    from draftctl.decode.loop import DecodeConfig
-    from draftctl.decode.tree import RetrievalDecoder
-    from draftctl.models import LoadedModel
     from draftctl.retrieval.retriever import Retriever
 
 PREFIX = "rest:"
@@ -39,11 +36,3 @@ def make_retriever(drafter: str, tokenizer) -> Retriever:
                                 f"a key among {', '.join(sorted(known))}")
         settings[key] = int(value)
     return Retriever(Datastore(folder, tokenizer), RetrievalConfig(**settings))
-
-
-def retrieval_decoder(target: LoadedModel, retriever: Retriever,
-                      config: DecodeConfig) -> RetrievalDecoder:
-    """A greedy tree decoder over a loaded target with drafts from ``retriever``."""
-    from draftctl.decode.tree import RetrievalDecoder
-
-    return RetrievalDecoder.from_loaded(target, retriever, config)

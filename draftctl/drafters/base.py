@@ -1,0 +1,78 @@
+"""The drafter protocol: what the round loop asks of any source of draft tokens.
+
+A drafter proposes a draft for the sequence so far (a chain, or a tree of candidates with
+each token's parent) with the feature record of every token, asking the controller as it goes,
+and hears the verification result: how long the sequence now is, and, when it asks for them,
+the target's hidden states at the newly verified positions. The loop never asks which drafter
+it holds; it verifies a chain in one pass and a tree under a tree attention mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from draftctl.controllers.base import Controller
+from draftctl.decode.features import TOP_K, FeatureRecord, SequenceState
+
+
+@dataclass
+class Draft:
+    """One round's proposal.
+
+    tokens: (k,) long on the device. parents: None for a chain; for a tree, each token's
+    parent index (-1: under the root), parents before children. raw_probs: (k, V)
+    temperature-1 softmax (features, beta in greedy mode), None for drafts without a
+    distribution (trees). q_draft: (k, V) processed distribution the tokens were sampled from,
+    or None in greedy mode. stats: (k, 1 + TOP_K) ``distribution_stats`` rows, or None when
+    ``records`` are given. records: the feature records, if built during drafting.
+    """
+
+    tokens: torch.Tensor
+    raw_probs: torch.Tensor | None
+    q_draft: torch.Tensor | None
+    stats: torch.Tensor | None
+    records: list[FeatureRecord] | None
+    parents: list[int] | None = None
+    forwards: int = 0
+    discarded: int = 0
+    controller_s: float = 0.0
+    controller_calls: int = 0
+
+    @classmethod
+    def empty(cls, vocab_size: int, device: torch.device) -> Draft:
+        return cls(torch.empty(0, dtype=torch.long, device=device),
+                   torch.empty(0, vocab_size, device=device), None,
+                   torch.empty(0, 1 + TOP_K, device=device), [])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+
+class Drafter(Protocol):
+    """A source of draft tokens (the draft model, a feature-level draft, REST retrieval)."""
+
+    #: Drafts are trees (verified under a tree mask, greedy only) rather than chains.
+    tree: bool
+    #: Indices of the target's hidden states ``accepted`` wants (``output_hidden_states``
+    #: order: 0 is the embedding output), or () when it needs none.
+    hidden_layers: tuple[int, ...]
+
+    def reset(self) -> None:
+        """Start a new sequence."""
+
+    def propose(self, seq: torch.Tensor, budget: int, controller: Controller,
+                state: SequenceState, generator: torch.Generator) -> Draft:
+        """Draft at most ``budget`` tokens (tree: depth) after ``seq`` (1-D long)."""
+
+    def accepted(self, length: int, hidden: torch.Tensor | None = None) -> None:
+        """The verified sequence now has ``length`` tokens; ``hidden`` (n, layers, H): the
+        target's states at the ``n`` positions it has just verified, ending at ``length - 2``
+        (the last token, the correction or bonus, is not verified yet)."""
+
+    @property
+    def forwards(self) -> int:
+        """Draft model calls so far (0 for drafters without a model)."""
