@@ -74,6 +74,20 @@ def _distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool(args: argparse.Namespace) -> int:
+    from draftctl.distill.pool import PoolConfig, run_pool
+
+    overrides = {"target": args.target, "out": args.out, "exclude": args.exclude,
+                 "seed": args.seed}
+    manifest = run_pool(load_config(PoolConfig, args.config, overrides))
+    print(f"pool: {manifest['prompts']} prompts from {manifest['candidates']} candidates "
+          f"({manifest['near_duplicates']} near duplicates, {manifest['too_close_to_excluded']}"
+          f" too close to an excluded set) in {Path(manifest['config']['out']) / 'pool.jsonl'}")
+    for source, n in sorted(manifest["counts"]["source"].items()):
+        print(f"  {source:<14}{n:>6}")
+    return 0
+
+
 def _collect(args: argparse.Namespace) -> int:
     from draftctl.collect.run import CollectConfig, run_collect
 
@@ -283,6 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--steps", type=int)
     dist.add_argument("--time-budget-min", type=float)
     dist.set_defaults(func=_distill)
+
+    pool = sub.add_parser("pool", help="build a prompt pool a draft may learn from (self-instruct "
+                                       "with the target, local text; no benchmark prompts)")
+    pool.add_argument("--config", help="YAML recipe (configs/pool.yaml is the shipped one)")
+    pool.add_argument("--target", help="the model that writes requests (default: built-in)")
+    pool.add_argument("--exclude", nargs="+", metavar="FILE",
+                      help="prompt files the pool must not share a prompt with (draftctl's own "
+                           "set is always excluded)")
+    pool.add_argument("--seed", type=int)
+    pool.add_argument("--out", help="output folder (resumes what it finds there)")
+    pool.set_defaults(func=_pool)
 
     col = sub.add_parser("collect", help="record per-token features and outcomes of real SD")
     col.add_argument("--config", help="YAML config (see configs/collect.yaml)")
