@@ -76,7 +76,7 @@ def from_target(target: nn.Module, n_layers: int, head_ids: torch.Tensor) -> Dra
     """A draft initialised from the target's first ``n_layers`` layers and final norm."""
     config = type(target.config)(**{**target.config.to_dict(), "num_hidden_layers": n_layers,
                                      "tie_word_embeddings": False})
-    embedding = target.get_input_embeddings().weight.detach().clone()
+    embedding = target.get_input_embeddings().weight.detach().float().clone()  # trains in fp32
     draft = DraftLM(config, embedding, head_ids)
     source = target.model
     for mine, theirs in zip(draft.model.layers, source.layers):

@@ -13,6 +13,7 @@ Stages, each resumable from what it left in ``out``:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import platform
@@ -52,9 +53,16 @@ class DistillConfig:
     eval_prompts: str | None = None  # default: same file as prompts
     eval_split: str = "dev"
     eval_limit: int = 24
+    # > 0: evaluate on the prompts of ``prompts`` whose question_id % holdout_every == 0 (kept
+    # out of training) instead of eval_prompts / eval_split: a pool then needs no other set
+    holdout_every: int = 0
     eval_max_new_tokens: int = 128
     n_layers: int = 4
     head_size: int = 8192
+    # > 0: the head is the smallest of head_sizes whose most frequent training tokens cover at
+    # least this share of the held-out greedy responses' tokens (head_size is then ignored)
+    head_coverage: float = 0.0
+    head_sizes: list[int] = field(default_factory=lambda: [8192, 12288, 16384, 24576, 32768])
     teacher_top_k: int = 32
     prompt_loss: bool = False  # also learn the teacher's labels on the prompts' positions
     steps: int = 3000
@@ -76,6 +84,45 @@ class DistillConfig:
 def target_dtype(target: str, device: str, dtype: str) -> str:
     """``auto``: the target's calibrated dtype (its profile, made once if missing)."""
     return settle(target, None, device).target_dtype if dtype == "auto" else dtype
+
+
+def head_size_for(train_rows: list[dict], heldout_rows: list[dict], sizes: list[int],
+                  coverage: float) -> dict:
+    """The smallest of ``sizes`` whose most frequent training tokens cover at least
+    ``coverage`` of the held-out responses' tokens (the largest if none does), with the
+    coverage of every size: {"head_size", "coverage", "curve": {size: coverage}}."""
+    from collections import Counter
+
+    counts = Counter(t for row in train_rows for t in row["response_ids"] + row["prompt_ids"])
+    ranked = [t for t, _ in counts.most_common()]
+    heldout = [t for row in heldout_rows for t in row["response_ids"]]
+    curve = {}
+    for size in sorted(sizes):
+        head = set(ranked[:size])
+        curve[size] = sum(t in head for t in heldout) / max(1, len(heldout))
+    chosen = next((s for s in sorted(sizes) if curve[s] >= coverage), max(sizes))
+    return {"head_size": chosen, "coverage": curve[chosen], "curve": curve}
+
+
+def coverage(head_ids: torch.Tensor, rows: list[dict]) -> float:
+    """Share of the responses' tokens that the head can draft."""
+    head = set(head_ids.tolist())
+    tokens = [t for row in rows for t in row["response_ids"]]
+    return sum(t in head for t in tokens) / max(1, len(tokens))
+
+
+def pool_record(prompts: str | None) -> dict | None:
+    """The recipe and hash of a prompt pool (``draftctl pool``), if ``prompts`` is one."""
+    if prompts is None:
+        return None
+    manifest = Path(prompts).parent / "manifest.json"
+    if not manifest.is_file():
+        return None
+    pool = json.loads(manifest.read_text())
+    if "pool_sha256" not in pool:
+        return None
+    return {"sha256": pool["pool_sha256"], "seeds_sha256": pool["seeds_sha256"],
+            "prompts": pool["prompts"], "counts": pool["counts"], "config": pool["config"]}
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -133,15 +180,24 @@ def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, 
             "label_probs": [probs for _, probs in labels]}
 
 
-def distill_loss(draft: DraftLM, tokens: torch.Tensor, start: int, label_ids: torch.Tensor,
-                 label_probs: torch.Tensor) -> torch.Tensor:
+def distill_loss(draft: DraftLM, items: list[tuple]) -> tuple[torch.Tensor, int]:
     """Cross-entropy of the draft's head distribution against the teacher's top-k labels
-    (renormalised), summed over response positions."""
-    hidden = draft.model(input_ids=tokens[None], use_cache=False).last_hidden_state[0, start:-1]
-    log_q = torch.log_softmax(draft.head_logits(hidden), dim=-1)
-    target = label_probs.float()
+    (renormalised), summed over the labelled positions of a batch of sequences, in one
+    forward pass (right padding: the draft is causal, so padding changes no labelled
+    position). items: (tokens (L,), first labelled position, label ids (n, k), label probs
+    (n, k)). Returns (summed loss, labelled positions)."""
+    width = max(len(tokens) for tokens, *_ in items)
+    batch = torch.zeros((len(items), width), dtype=torch.long)
+    for row, (tokens, *_) in enumerate(items):
+        batch[row, :len(tokens)] = tokens
+    hidden = draft.model(input_ids=batch, use_cache=False).last_hidden_state
+    rows = torch.cat([hidden[row, start:len(tokens) - 1]
+                      for row, (tokens, start, *_) in enumerate(items)])
+    log_q = torch.log_softmax(draft.head_logits(rows), dim=-1)
+    target = torch.cat([probs for *_, probs in items]).float()
     target = target / target.sum(-1, keepdim=True)
-    return -(target * log_q.gather(-1, label_ids.long())).sum()
+    label_ids = torch.cat([ids for *_, ids, _ in items]).long()
+    return -(target * log_q.gather(-1, label_ids)).sum(), len(rows)
 
 
 @torch.inference_mode()
@@ -171,7 +227,13 @@ def run_distill(cfg: DistillConfig) -> dict:
     save_config(cfg, out / "distill.yaml")
     target = load_model(cfg.target, cfg.device, target_dtype(cfg.target, cfg.device, cfg.dtype))
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit)
-    eval_prompts = load_prompts(cfg.eval_prompts or cfg.prompts, cfg.eval_split, cfg.eval_limit)
+    if cfg.holdout_every > 0:
+        eval_prompts = [p for p in prompts if p.question_id % cfg.holdout_every == 0]
+        eval_prompts = eval_prompts[:cfg.eval_limit]
+        prompts = [p for p in prompts if p.question_id % cfg.holdout_every != 0]
+    else:
+        eval_prompts = load_prompts(cfg.eval_prompts or cfg.prompts, cfg.eval_split,
+                                    cfg.eval_limit)
     if {p.question_id for p in prompts} & {p.question_id for p in eval_prompts}:
         raise DraftctlError("training and evaluation prompts overlap; use distinct splits")
 
@@ -191,7 +253,11 @@ def run_distill(cfg: DistillConfig) -> dict:
     if teacher_path.is_file():
         teacher = torch.load(teacher_path)
     else:
-        head_ids = choose_head_ids(rows + texts["rows"], cfg.head_size, target.eos_token_ids,
+        head_size = cfg.head_size
+        if cfg.head_coverage > 0:
+            head_size = head_size_for(rows + texts["rows"], eval_rows, cfg.head_sizes,
+                                      cfg.head_coverage)["head_size"]
+        head_ids = choose_head_ids(rows + texts["rows"], head_size, target.eos_token_ids,
                                    len(target.tokenizer))
         teacher = {"head_ids": head_ids,
                    **teacher_labels(target.model, rows + texts["rows"], head_ids,
@@ -205,13 +271,17 @@ def run_distill(cfg: DistillConfig) -> dict:
         "format": "draftctl-distilled-draft/1",
         "teacher": {"spec": cfg.target, "sha256": model_file_sha256(cfg.target)},
         "data": {"prompt_file": str(cfg.prompts or "draftctl built-in prompts"),
+                 "pool": pool_record(cfg.prompts),
                  "split": cfg.split, "prompts": len(prompts), "responses": len(rows),
-                 "response_tokens": data_tokens, "eval_split": cfg.eval_split,
+                 "response_tokens": data_tokens,
+                 "eval_split": f"question_id % {cfg.holdout_every} == 0 of the same file"
+                 if cfg.holdout_every > 0 else cfg.eval_split,
                  "eval_prompts": len(eval_prompts),
                  "responses_sha256": _sha256(out / "data" / "responses.jsonl"),
                  "prompt_loss": cfg.prompt_loss, "extra_text": texts["files"],
                  "labelled_positions": sum(len(ids) for ids in teacher["label_ids"])},
-        "architecture": {"n_layers": cfg.n_layers, "head_size": cfg.head_size,
+        "architecture": {"n_layers": cfg.n_layers, "head_size": len(teacher["head_ids"]),
+                         "head_coverage_heldout": coverage(teacher["head_ids"], eval_rows),
                          "embedding": "target's, frozen, not stored",
                          "head": "trained, initialised from the head tokens' embedding rows"},
         "training": {"steps": step, "history": history},
@@ -237,7 +307,7 @@ def _sha256(path: Path) -> str:
 def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: list[dict],
            out: Path) -> tuple[DraftLM, list, int]:
     torch.manual_seed(cfg.seed)
-    draft = from_target(target.model, cfg.n_layers, teacher["head_ids"])
+    draft = from_target(target.model, cfg.n_layers, teacher["head_ids"]).float()
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(
@@ -270,14 +340,10 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
     while step < cfg.steps and spent + (time.time() - mark) < budget_s:
         batch = random.sample(order, min(cfg.batch_sequences, n))
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, count = 0.0, 0
-        for i in batch:
-            tokens, start = teacher["sequences"][i]
-            loss = distill_loss(draft, tokens, start, teacher["label_ids"][i],
-                                teacher["label_probs"][i])
-            loss.backward()
-            loss_sum += float(loss.detach())
-            count += len(tokens) - 1 - start
+        loss, count = distill_loss(draft, [(*teacher["sequences"][i], teacher["label_ids"][i],
+                                             teacher["label_probs"][i]) for i in batch])
+        loss.backward()
+        loss_sum = float(loss.detach())
         for p in params:
             p.grad /= max(count, 1)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
