@@ -153,3 +153,41 @@ def test_extra_text_is_labelled_at_every_position(setup, tmp_path):
     config.extra_text, config.out = [str(bad)], str(tmp_path / "other")
     with pytest.raises(DraftctlError, match="bad.txt is not UTF-8"):
         run_distill(config)
+
+
+def test_teacher_labels_resume_from_their_parts_with_features(tmp_path, monkeypatch):
+    teacher = load_model(save_model(tmp_path / "teacher"), "cpu", "float32")
+    rows = [{"question_id": i, "sample": 0, "prompt_ids": [2 + i, 3 + i],
+             "response_ids": [(7 * i + j) % 90 + 2 for j in range(3 + i % 5)]} for i in range(12)]
+    head_ids = torch.arange(40)
+    kwargs = {"prompt_loss": False, "batch_tokens": 16, "folder": tmp_path / "parts",
+              "feature_layers": (1, 2), "part_tokens": 20}
+    calls = {"n": 0}
+    real = distill_run._label_batch
+
+    def crashing(*args):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(distill_run, "_label_batch", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        distill_run.teacher_labels(teacher.model, rows, head_ids, 4, **kwargs)
+    done = sorted((tmp_path / "parts").glob("part-*.pt"))
+    assert done  # whole parts only
+    calls["n"] = -100
+    resumed = distill_run.teacher_labels(teacher.model, rows, head_ids, 4, **kwargs)
+    redone = calls["n"] + 100
+    monkeypatch.setattr(distill_run, "_label_batch", real)
+    fresh = distill_run.teacher_labels(teacher.model, rows, head_ids, 4,
+                                       **{**kwargs, "folder": None})
+    assert redone < len(rows)  # parts on disk were loaded, not labelled again
+    for key in ("label_ids", "label_probs", "features"):
+        for a, b in zip(resumed[key], fresh[key]):
+            assert torch.equal(a, b), key
+    tokens, _ = resumed["sequences"][3]
+    assert resumed["features"][3].shape == (len(tokens), 2, teacher.model.config.hidden_size)
+    with pytest.raises(DraftctlError, match="labelled from other responses or layers"):
+        distill_run.teacher_labels(teacher.model, rows, head_ids, 4,
+                                   **{**kwargs, "feature_layers": (1,)})

@@ -19,6 +19,7 @@ import os
 import platform
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,9 @@ class DistillConfig:
     head_coverage: float = 0.0
     head_sizes: list[int] = field(default_factory=lambda: [8192, 12288, 16384, 24576, 32768])
     teacher_top_k: int = 32
+    # the target's hidden states (output_hidden_states indices) saved at every position with
+    # the labels, for feature-level drafts; () saves none
+    feature_layers: list[int] = field(default_factory=list)
     prompt_loss: bool = False  # also learn the teacher's labels on the prompts' positions
     steps: int = 3000
     batch_sequences: int = 4
@@ -132,16 +136,23 @@ def _atomic_save(obj, path: Path) -> None:
 
 
 def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, *,
-                   prompt_loss: bool = False, batch_tokens: int = 2048) -> dict:
-    """Per labelled position: the target's top-k probabilities over the head tokens.
+                   prompt_loss: bool = False, batch_tokens: int = 2048,
+                   folder: Path | None = None, feature_layers: Sequence[int] = (),
+                   part_tokens: int = 100_000) -> dict:
+    """Per labelled position: the target's top-k probabilities over the head tokens; and,
+    with ``feature_layers``, the target's hidden states (``output_hidden_states`` indices) at
+    every position, for feature-level drafts.
 
     A row's labelled positions are its response's, and also its prompt's when ``prompt_loss``
     and the row is the prompt's first response (so each prompt is labelled once). Sequences
     run through the target in batches of similar length, right-padded (the model is causal,
-    so padding after a sequence does not change its logits).
+    so padding after a sequence does not change its logits). With ``folder``, every part of
+    about ``part_tokens`` tokens is saved there atomically as it is done, and a rerun loads
+    the parts it finds instead of computing them again.
 
     Returns {"sequences": [(tokens (L,), first labelled position)], "label_ids": [(n, k) head
-    indices], "label_probs": [(n, k)]}, in ``rows`` order; position j predicts token j + 1.
+    indices], "label_probs": [(n, k)], "features": [(L, layers, H) float16] or None}, in
+    ``rows`` order; position j predicts token j + 1.
     """
     device = next(model.parameters()).device
     head_ids = head_ids.to(device)
@@ -153,31 +164,71 @@ def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, 
         start = 0 if prompt_loss and row["sample"] == 0 else len(row["prompt_ids"]) - 1
         items.append((tokens, start))
     order = sorted(range(len(items)), key=lambda i: len(items[i][0]))
-    labels: list = [None] * len(items)
-    bar = tqdm(total=sum(len(t) for t, _ in items), desc="teacher labels", unit="tok",
-               unit_scale=True)
-    first = 0
+    batches, first = [], 0
     while first < len(order):
         last = first + 1
         while last < len(order) and (last - first + 1) * len(items[order[last]][0]) <= batch_tokens:
             last += 1
-        group = order[first:last]
-        width = len(items[group[-1]][0])
-        batch = torch.zeros((len(group), width), dtype=torch.long)
-        for r, i in enumerate(group):
-            batch[r, :len(items[i][0])] = items[i][0]
-        with torch.inference_mode():
-            logits = model(batch.to(device)).logits.float()
-        for r, i in enumerate(group):
-            tokens, start = items[i]
-            probs = torch.softmax(logits[r, start:len(tokens) - 1], -1)[:, head_ids]
-            top = probs.topk(top_k, dim=-1)
-            labels[i] = (top.indices.to(torch.int16).cpu(), top.values.to(torch.float16).cpu())
-            bar.update(len(tokens))
+        batches.append(order[first:last])
         first = last
+    parts, tokens_in_part = [[]], 0
+    for group in batches:
+        if tokens_in_part >= part_tokens:
+            parts.append([])
+            tokens_in_part = 0
+        parts[-1].append(group)
+        tokens_in_part += sum(len(items[i][0]) for i in group)
+    labels: list = [None] * len(items)
+    features: list | None = [None] * len(items) if feature_layers else None
+    bar = tqdm(total=sum(len(t) for t, _ in items), desc="teacher labels", unit="tok",
+               unit_scale=True)
+    for number, part in enumerate(parts):
+        index = [i for group in part for i in group]
+        path = folder / f"part-{number:05d}.pt" if folder is not None else None
+        if path is not None and path.is_file():
+            saved = torch.load(path)
+            if saved["index"] != index or saved["layers"] != list(feature_layers):
+                raise DraftctlError(f"{path} was labelled from other responses or layers; "
+                                    f"remove {folder} to label again")
+        else:
+            saved = {"index": index, "layers": list(feature_layers), "labels": [],
+                     "features": []}
+            for group in part:
+                _label_batch(model, items, group, head_ids, top_k, feature_layers, saved)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_save(saved, path)
+        for k, i in enumerate(index):
+            labels[i] = saved["labels"][k]
+            if features is not None:
+                features[i] = saved["features"][k]
+        bar.update(sum(len(items[i][0]) for i in index))
     bar.close()
     return {"sequences": items, "label_ids": [ids for ids, _ in labels],
-            "label_probs": [probs for _, probs in labels]}
+            "label_probs": [probs for _, probs in labels], "features": features}
+
+
+@torch.inference_mode()
+def _label_batch(model, items: list, group: list[int], head_ids: torch.Tensor, top_k: int,
+                 feature_layers: Sequence[int], saved: dict) -> None:
+    """One right-padded teacher pass over ``group``; appends to ``saved``."""
+    device = head_ids.device
+    width = len(items[group[-1]][0])
+    batch = torch.zeros((len(group), width), dtype=torch.long)
+    for r, i in enumerate(group):
+        batch[r, :len(items[i][0])] = items[i][0]
+    out = model(batch.to(device), output_hidden_states=bool(feature_layers))
+    logits = out.logits.float()
+    for r, i in enumerate(group):
+        tokens, start = items[i]
+        probs = torch.softmax(logits[r, start:len(tokens) - 1], -1)[:, head_ids]
+        top = probs.topk(top_k, dim=-1)
+        saved["labels"].append((top.indices.to(torch.int16).cpu(),
+                                top.values.to(torch.float16).cpu()))
+        if feature_layers:
+            saved["features"].append(torch.stack(
+                [out.hidden_states[k][r, :len(tokens)] for k in feature_layers], dim=1)
+                .to(torch.float16).cpu())
 
 
 def distill_loss(draft: DraftLM, items: list[tuple]) -> tuple[torch.Tensor, int]:
@@ -259,9 +310,12 @@ def run_distill(cfg: DistillConfig) -> dict:
                                       cfg.head_coverage)["head_size"]
         head_ids = choose_head_ids(rows + texts["rows"], head_size, target.eos_token_ids,
                                    len(target.tokenizer))
-        teacher = {"head_ids": head_ids,
-                   **teacher_labels(target.model, rows + texts["rows"], head_ids,
-                                    cfg.teacher_top_k, prompt_loss=cfg.prompt_loss)}
+        labelled = teacher_labels(target.model, rows + texts["rows"], head_ids,
+                                  cfg.teacher_top_k, prompt_loss=cfg.prompt_loss,
+                                  folder=out / "data" / "teacher",
+                                  feature_layers=cfg.feature_layers)
+        labelled.pop("features")  # they stay in the parts; feature drafts load them there
+        teacher = {"head_ids": head_ids, **labelled}
         _atomic_save(teacher, teacher_path)
 
     draft, history, step = _train(cfg, target, teacher, eval_rows, out)
