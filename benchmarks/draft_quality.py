@@ -1,12 +1,18 @@
-"""How good is a draft for its target? Spec-Bench test split, greedy.
+"""How good is a draft for its target? Greedy, on held-out prompt sets, calibrated dtypes.
 
-Reports, in one run:
-  (a) greedy top-1 agreement of the draft with the target along the target's own output;
+The pair runs in the dtypes and pass shape its calibrated profile chose (calibrated now if
+there is none). For each prompt set (default: Spec-Bench test and draftctl's own test split)
+it reports, in one run:
+  (a) greedy top-1 agreement of the draft with the target along the target's own output,
+      teacher-forced (a feature draft reads the target's states there; its second unrolled
+      step, reading its own features, is reported too);
   (b) mean ``beta = sum_v min(p, q)`` at temperature 1 along the same output;
-  (c) draft forward time / target forward time for one token with a warm cache;
-  (d) mean accepted draft tokens per round with ``static:4`` (and tau, which adds the bonus).
+  (c) mean accepted draft tokens per round with ``static:4``, the share of rounds whose first
+      draft token is accepted, and tau (which adds the bonus token);
+and once: (d) the draft's step (a one-token proposal) over the target's step, from the profile
+(the target's step is a one-token pass at the pass shape decoding really uses, and unpadded).
 The target's greedy output comes from the ``static:4`` run itself (greedy SD is lossless; the
-script checks it against plain decoding on the first prompts).
+script checks it against plain decoding on the first prompts of each set).
 
     python benchmarks/draft_quality.py [--draft smollm2-135m-draft] [--limit 60]
 """
@@ -14,8 +20,6 @@ script checks it against plain decoding on the first prompts).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -24,92 +28,103 @@ from tqdm import tqdm
 
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
-from draftctl.decode.cached_lm import CachedLM
-from draftctl.decode.loop import synchronize
-from draftctl.models import DEFAULT_TARGET, encode_prompt, load_model
+from draftctl.distill.feature import FeatureDraftLM, agreement
+from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
+from draftctl.profile import settle
 from draftctl.prompts import load_prompts
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 @torch.inference_mode()
-def along_output(target, draft, prompt_ids: list[int], output_ids: list[int]) -> tuple[int, float]:
-    """(draft argmax hits, summed beta) over the output positions, teacher-forced."""
+def along_output(target, draft, prompt_ids: list[int], output_ids: list[int]) -> dict:
+    """Teacher-forced over the output positions: draft argmax hits (per unrolled step for a
+    feature draft), summed beta at T=1, and the number of positions."""
     tokens = torch.tensor([prompt_ids + output_ids], device=target.device)
     start = len(prompt_ids) - 1
     p = torch.softmax(target.model(tokens).logits[0, start:-1].float(), -1)
-    vocab = p.shape[-1]
-    q = torch.softmax(draft.model(tokens).logits[0, start:-1, :vocab].float(), -1)
+    n = len(output_ids)
+    if isinstance(draft.model, FeatureDraftLM):
+        row = {"prompt_ids": prompt_ids, "response_ids": output_ids}
+        steps = agreement(draft.model, [row], target.model, steps=2)
+        states = target.model(tokens, output_hidden_states=True).hidden_states
+        features = torch.stack([states[k][0] for k in draft.model.feature_layers], dim=1)
+        _, logits = draft.model(tokens[:, 1:], features[None, :-1])
+        q_head = torch.softmax(logits[0, start:].float(), -1)
+        beta = torch.minimum(p[:, draft.model.head_ids], q_head).sum()
+        return {"hits": [a * n for a in steps], "beta": float(beta), "positions": n}
+    q = torch.softmax(draft.model(tokens).logits[0, start:-1, :p.shape[-1]].float(), -1)
     hits = int((q.argmax(-1) == tokens[0, start + 1:]).sum())
-    return hits, float(torch.minimum(p, q).sum(-1).sum())
+    return {"hits": [hits], "beta": float(torch.minimum(p, q).sum()), "positions": n}
 
 
-@torch.inference_mode()
-def step_cost_ratio(target, draft, context: list[int], repeats: int = 30) -> dict:
-    """Median seconds of one single-token forward with a warm cache, interleaved."""
-    lms = {"target": CachedLM(target.model, len(target.tokenizer)),
-           "draft": CachedLM(draft.model, len(target.tokenizer))}
-    ids = torch.tensor(context, device=target.device)
-    for lm in lms.values():
-        lm.forward(ids[:-1])
-    times = {name: [] for name in lms}
-    for _ in range(repeats):
-        for name, lm in lms.items():
-            start = time.perf_counter()
-            lm.forward(ids[-1:], last_only=True)
-            synchronize(target.device)
-            times[name].append(time.perf_counter() - start)
-            lm.truncate(len(ids) - 1)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"target_s": medians["target"], "draft_s": medians["draft"],
-            "ratio": medians["draft"] / medians["target"]}
+def step_cost(setup) -> dict:
+    """The draft's one-token proposal over the target's step, as calibrate measured them."""
+    profile = setup.profile
+    t_target = profile["target"]["by_dtype"][setup.target_dtype]["t_ms"]
+    t_draft = profile["draft"]["by_dtype"][setup.draft_dtype]["t_ms"]["1"]
+    rows = setup.shape.rows(1)
+    return {"draft_ms": t_draft, "target_ms_one_row": t_target["1"],
+            "target_ms_pass_shape": t_target[str(rows)], "pass_rows": rows,
+            "ratio": t_draft / t_target[str(rows)], "ratio_vs_one_row": t_draft / t_target["1"]}
+
+
+def quality(decoder, target, draft, prompts, check: int = 3) -> dict:
+    hits: list[float] = []
+    positions = 0
+    beta = 0.0
+    accepted = rounds = first = new_tokens = 0
+    for i, prompt in enumerate(tqdm(prompts, desc="draft quality", unit="prompt")):
+        ids = encode_prompt(target.tokenizer, prompt.text)
+        result = generate(decoder, ids, make_controller("static:4"))
+        if i < check:  # losslessness spot check: greedy SD equals plain decoding
+            plain = generate(decoder, ids, make_controller("none"))
+            assert plain.output_ids == result.output_ids, "greedy SD differs from plain decoding"
+        got = along_output(target, draft, ids, result.output_ids)
+        hits = [a + b for a, b in zip(hits, got["hits"])] if hits else got["hits"]
+        beta, positions = beta + got["beta"], positions + got["positions"]
+        drafted = [r for r in result.rounds if r.draft_tokens]
+        accepted += sum(r.n_accepted for r in drafted)
+        first += sum(r.n_accepted > 0 for r in drafted)
+        rounds += len(drafted)
+        new_tokens += sum(len(r.new_tokens) for r in drafted)
+    report = {"prompts": len(prompts), "positions": positions,
+              "greedy_agreement": hits[0] / positions, "mean_beta_t1": beta / positions,
+              "static4_accepted_per_round": accepted / rounds,
+              "static4_first_token_accepted": first / rounds, "static4_tau": new_tokens / rounds}
+    if len(hits) > 1:
+        report["greedy_agreement_step2"] = hits[1] / positions
+    return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--draft", default="smollm2-135m-draft")
-    parser.add_argument("--prompts", default=str(SPEC_BENCH))
+    parser.add_argument("--draft", default=None, help="default: the target's shipped draft")
+    parser.add_argument("--prompts", nargs="+", default=[str(SPEC_BENCH), "draftctl"],
+                        help="JSONL prompt sets; 'draftctl' is draftctl's own set")
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=60)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default="benchmarks/results/draft_quality.json")
     args = parser.parse_args()
 
-    target = load_model(args.target, args.device)
-    draft = load_model(args.draft, target.device, target=target)
-    decoder = SpeculativeDecoder.from_loaded(target, draft,
-                                             DecodeConfig(max_new_tokens=args.max_new_tokens))
-    prompts = load_prompts(args.prompts, args.split, args.limit)
-    encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
-    cost = step_cost_ratio(target, draft, encoded[0][:128])
-
-    hits = positions = 0
-    beta_sum = 0.0
-    accepted = rounds = new_tokens = 0
-    checked = 0
-    for ids in tqdm(encoded, desc="draft quality", unit="prompt"):
-        result = generate(decoder, ids, make_controller("static:4"))
-        if checked < 3:  # losslessness spot check: greedy SD equals plain decoding
-            plain = generate(decoder, ids, make_controller("none"))
-            assert plain.output_ids == result.output_ids, "greedy SD differs from plain decoding"
-            checked += 1
-        h, b = along_output(target, draft, ids, result.output_ids)
-        hits, beta_sum, positions = hits + h, beta_sum + b, positions + len(result.output_ids)
-        accepted += sum(r.n_accepted for r in result.rounds)
-        rounds += len(result.rounds)
-        new_tokens += result.new_tokens
-
-    report = {"target": args.target, "draft": args.draft, "prompts": len(prompts),
-              "split": args.split, "max_new_tokens": args.max_new_tokens,
-              "positions": positions,
-              "greedy_agreement": hits / positions,
-              "mean_beta_t1": beta_sum / positions,
-              "step_cost": cost,
-              "static4_accepted_per_round": accepted / rounds,
-              "static4_tau": new_tokens / rounds,
-              "threads": torch.get_num_threads(), "device": str(target.device)}
+    draft_spec = args.draft or default_draft(args.target)
+    setup = settle(args.target, draft_spec, args.device, args.dtype, need_profile=True)
+    target = load_model(args.target, args.device, setup.target_dtype)
+    draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target)
+    decoder = SpeculativeDecoder.from_loaded(
+        target, draft, DecodeConfig(max_new_tokens=args.max_new_tokens, pass_shape=setup.shape))
+    sets = {}
+    for path in args.prompts:
+        prompts = load_prompts(None if path == "draftctl" else path, args.split, args.limit)
+        sets[path] = quality(decoder, target, draft, prompts)
+    report = {"target": args.target, "draft": draft_spec, "split": args.split,
+              "max_new_tokens": args.max_new_tokens, "sets": sets, "step_cost": step_cost(setup),
+              **setup.describe(), "threads": torch.get_num_threads(),
+              "device": str(target.device)}
     write_report(report, args.out)
 
 

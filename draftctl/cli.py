@@ -66,7 +66,7 @@ def _distill(args: argparse.Namespace) -> int:
 
     overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
                  "steps": args.steps, "time_budget_min": args.time_budget_min,
-                 "extra_text": args.extra_text}
+                 "extra_text": args.extra_text, "kind": args.kind}
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
     print(f"draft written to {manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--prompts", help="JSONL prompt file for the training text")
     dist.add_argument("--extra-text", nargs="+", metavar="FILE",
                       help="local UTF-8 text files to learn the target's labels on, too")
+    dist.add_argument("--kind", choices=("model", "feature"),
+                      help="model: a small independent draft (default); feature: one layer "
+                           "reading the target's hidden states (needs feature_layers)")
     dist.add_argument("--steps", type=int)
     dist.add_argument("--time-budget-min", type=float)
     dist.set_defaults(func=_distill)

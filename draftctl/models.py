@@ -175,12 +175,13 @@ def load_model(spec: str, device: str | torch.device = "auto",
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftctl.distill.feature import is_feature_draft
     from draftctl.distill.model import is_draft_folder
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     source, kwargs = _source(spec)
-    if not kwargs and is_draft_folder(source):
+    if not kwargs and (is_draft_folder(source) or is_feature_draft(source)):
         return _load_distilled(spec, Path(source), dev, torch_dtype, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -213,6 +214,7 @@ def _load_distilled(spec: str, folder: Path, device: torch.device, dtype: torch.
                     target: LoadedModel | None) -> LoadedModel:
     from transformers import AutoTokenizer
 
+    from draftctl.distill.feature import is_feature_draft, load_feature_draft
     from draftctl.distill.model import load_draft, read_draft_config
 
     base = read_draft_config(folder)["target"]
@@ -223,7 +225,8 @@ def _load_distilled(spec: str, folder: Path, device: torch.device, dtype: torch.
         source, kwargs = _source(base)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         embedding = input_embedding(base)
-    model = load_draft(folder, embedding).to(device, dtype)
+    load = load_feature_draft if is_feature_draft(folder) else load_draft
+    model = load(folder, embedding).to(device, dtype)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
 
 

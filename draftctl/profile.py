@@ -31,7 +31,10 @@ import torch
 
 from draftctl.console import notice
 from draftctl.decode.cached_lm import CachedLM, PassShape, rows_are_exact
+from draftctl.decode.features import SequenceState
 from draftctl.decode.loop import synchronize
+from draftctl.decode.verify import SamplingConfig
+from draftctl.drafters import model_drafter
 from draftctl.errors import DraftctlError
 from draftctl.models import (
     DEFAULT_TARGET,
@@ -163,51 +166,55 @@ def _median_ms(times: list[float]) -> float:
 
 @torch.inference_mode()
 def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
-    """Load the pair in every candidate dtype and time their passes, interleaved."""
+    """Load the pair in every candidate dtype and time their passes, interleaved: the target's
+    pass over n new tokens, and the drafter's proposal of one token (its step with the work
+    around it: the distribution, its features), both with a warm cache of ``context``."""
     device = resolve_device(cfg.device)
     dtypes = candidate_dtypes(device, cfg.dtypes)
     draft_spec = None if cfg.draft == "none" else cfg.draft or default_draft(cfg.target)
-    lms, drafts = {}, {}
+    every, lms = {}, {}
     for dtype in dtypes:
         target = load_model(cfg.target, device, dtype)
         vocab = len(target.tokenizer)
-        lms[dtype] = CachedLM(target.model, vocab)
-        if draft_spec:
-            drafts[dtype] = CachedLM(load_model(draft_spec, device, dtype, target=target).model,
-                                     vocab)
-    ids = torch.tensor(_context_ids(target.tokenizer, cfg.context + cfg.max_n), device=device)
-    context, fresh = ids[:cfg.context], ids[cfg.context:]
-    every = {**{("target", d): lm for d, lm in lms.items()},
-             **{("draft", d): lm for d, lm in drafts.items()}}
-    sizes = {("target", d): range(1, cfg.max_n + 1) for d in lms}
-    sizes.update({("draft", d): (1,) for d in drafts})
-    for lm in every.values():
+        ids = torch.tensor(_context_ids(target.tokenizer, cfg.context + cfg.max_n),
+                           device=device)
+        context, fresh = ids[:cfg.context], ids[cfg.context:]
+        lm = CachedLM(target.model, vocab)
         lm.prefill(context)
+        lms[dtype] = lm
+        for n in range(1, cfg.max_n + 1):
+            every["target", dtype, n] = _target_pass(lm, fresh[:n], cfg.context)
+        if draft_spec:
+            draft = load_model(draft_spec, device, dtype, target=target)
+            every["draft", dtype, 1] = _draft_step(model_drafter(draft, vocab, SamplingConfig()),
+                                                   target.model, context)
     times: dict[tuple, list[float]] = {}
 
-    def timed(key, lm: CachedLM, n: int) -> None:
+    def timed(key) -> None:
         synchronize(device)
         start = time.perf_counter()
-        lm.forward(fresh[:n], keep=n)
+        every[key]()
         synchronize(device)
-        times.setdefault((*key, n), []).append(time.perf_counter() - start)
-        lm.truncate(cfg.context)
+        times.setdefault(key, []).append(time.perf_counter() - start)
 
-    for key, lm in every.items():  # warm-up: kernel set-up for every shape, untimed
-        for n in sizes[key]:
-            timed(key, lm, n)
+    for key in every:  # warm-up: kernel set-up for every shape, untimed
+        timed(key)
     times.clear()
+    models = list(dict.fromkeys(key[:2] for key in every))
     from tqdm import tqdm
 
     for rep in tqdm(range(cfg.repeats), desc="calibrate", unit="round", disable=not progress):
         # each model's sweep runs back to back, as its passes do in decoding; models and
         # pass sizes take turns in a rotating order, so that machine noise hits all alike
-        order = list(every.items())
-        for key, lm in order[rep % len(order):] + order[:rep % len(order)]:
-            ns = list(sizes[key])
-            for n in ns[rep % len(ns):] + ns[:rep % len(ns)]:
-                timed(key, lm, n)
-    curves = {key: {n: _median_ms(times[(*key, n)]) for n in sizes[key]} for key in every}
+        for model in models[rep % len(models):] + models[:rep % len(models)]:
+            keys = [key for key in every if key[:2] == model]
+            for key in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+                timed(key)
+    curves: dict[tuple, dict[int, float]] = {}
+    for (kind, dtype, n), values in times.items():
+        curves.setdefault((kind, dtype), {})[n] = _median_ms(values)
+    curves = {key: dict(sorted(c.items())) for key, c in curves.items()}
+    drafts = [d for d in dtypes if ("draft", d) in curves]
     exact = {}
     for dtype, lm in lms.items():  # check shapes from the fastest down until one is exact
         t_draft = min(curves["draft", d][1] for d in drafts) if drafts else 0.1 * curves[
@@ -219,6 +226,37 @@ def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
                 break
     return {"device": device, "draft_spec": draft_spec, "curves": curves, "dtypes": dtypes,
             "exact": exact}
+
+
+def _target_pass(lm: CachedLM, tokens: torch.Tensor, context: int):
+    """One target pass over ``tokens`` after ``context`` cached tokens, undone after."""
+    def run() -> None:
+        lm.forward(tokens, keep=len(tokens))
+        lm.truncate(context)
+    return run
+
+
+def _draft_step(drafter, target: torch.nn.Module, context: torch.Tensor):
+    """One proposal of one token after ``context``, as a round's first step (the drafter has
+    seen all but the last token), undone after."""
+    from draftctl.controllers import make_controller
+
+    seen = len(context) - 1
+    hidden = None
+    if drafter.hidden_layers:  # the target's states, as the verification pass hands them over
+        states = target(context[None], output_hidden_states=True).hidden_states
+        hidden = torch.stack([states[k][0] for k in drafter.hidden_layers], dim=1)
+        drafter.accepted(seen - 1, hidden[:seen - 1])
+    else:
+        drafter.lm.prefill(context[:seen])
+    controller = make_controller("static:1")
+    generator = torch.Generator(context.device)
+    state = SequenceState(len(context))
+
+    def run() -> None:
+        drafter.accepted(seen, hidden[seen - 1:seen] if hidden is not None else None)
+        drafter.propose(context, 1, controller, state, generator)
+    return run
 
 
 def build_profile(cfg: CalibrateConfig, measured: dict) -> dict:

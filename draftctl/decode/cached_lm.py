@@ -27,7 +27,9 @@ plain decoding bit for bit, in any dtype (``tests/test_cached_lm.py``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -92,6 +94,11 @@ class PassShape:
         if self.fixed:
             return f"fixed:{self.fixed}"
         return "cheapest" if self.pad_to else "free"
+
+
+class _Pass(NamedTuple):
+    logits: torch.Tensor  # (rows kept, vocab)
+    hidden: torch.Tensor | None  # (rows, layers, H), when asked for
 
 
 class BlockLayer(CacheLayerMixin):
@@ -250,7 +257,13 @@ class CachedLM:
         """Feed a prompt in one pass of its own length; logits (keep, vocab) of its last
         ``keep`` tokens (0: all). Plain and speculative decoding prefill alike, so its shape
         does not need fixing."""
-        return self._pass(tokens, len(tokens), None, keep)
+        return self._pass(tokens, len(tokens), None, keep).logits
+
+    @torch.inference_mode()
+    def prefill_hidden(self, tokens: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+        """Feed a prompt as ``prefill`` does; return the hidden states (n, len(layers), H) of
+        every token at ``layers`` (``output_hidden_states`` indices: 0 is the embedding)."""
+        return self._pass(tokens, len(tokens), None, 1, layers).hidden
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last_only: bool = False,
@@ -258,15 +271,28 @@ class CachedLM:
         """Feed ``tokens`` (n,) long; return logits (n, vocab), or of the last ``keep``
         tokens only (``last_only`` is ``keep=1``)."""
         keep = 1 if last_only else keep
+        logits = self._feed(tokens, keep).logits
+        return logits[-keep:] if keep else logits
+
+    @torch.inference_mode()
+    def forward_hidden(self, tokens: torch.Tensor,
+                       layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tokens`` (n,) long; return logits (n, vocab) and the hidden states
+        (n, len(layers), H) at ``layers``, for drafters that read the target's states."""
+        out = self._feed(tokens, 0, layers)
+        return out.logits, out.hidden
+
+    def _feed(self, tokens: torch.Tensor, keep: int, layers: Sequence[int] = ()) -> _Pass:
+        """Feed ``tokens`` in the passes the shape asks for; the real rows' outputs."""
         n = tokens.shape[0]
         if n == 0:
             raise ValueError("no tokens to feed")
         if not self.shape.fixed and self.shape.rows(n) == n:
-            return self._pass(tokens, n, None, keep)
-        out = [self._pass(tokens[first:first + rows], rows, None, 0)
-               for first, rows in self.shape.chunks(n)]
-        logits = torch.cat(out)[:n]
-        return logits[-keep:] if keep else logits
+            return self._pass(tokens, n, None, keep, layers)
+        parts = [self._pass(tokens[first:first + rows], rows, None, 0, layers)
+                 for first, rows in self.shape.chunks(n)]
+        return _Pass(torch.cat([p.logits for p in parts])[:n],
+                     torch.cat([p.hidden for p in parts])[:n] if layers else None)
 
     @torch.inference_mode()
     def forward_masked(self, tokens: torch.Tensor, positions: torch.Tensor,
@@ -286,66 +312,60 @@ class CachedLM:
             real = min(rows, n - first)
             pattern = allowed[first:first + real, :start + first + real]
             out.append(self._pass(tokens[first:first + real], rows,
-                                  (positions[first:first + real], pattern), 0)[:real])
+                                  (positions[first:first + real], pattern), 0).logits[:real])
         return torch.cat(out)
 
     def _pass(self, tokens: torch.Tensor, rows: int,
-              masked: tuple[torch.Tensor, torch.Tensor] | None, keep: int) -> torch.Tensor:
+              masked: tuple[torch.Tensor, torch.Tensor] | None, keep: int,
+              layers: Sequence[int] = ()) -> _Pass:
         """One model call over ``tokens`` padded to ``rows`` rows; the cache keeps the real
         tokens only. ``masked``: (positions, attention pattern) of the real tokens, else the
-        usual causal pattern. Returns logits of the real rows (or their last ``keep``)."""
+        usual causal pattern. Returns the real rows' logits (or their last ``keep``) and,
+        with ``layers``, their hidden states there."""
         n, start = tokens.shape[0], self._length
         device = tokens.device
+        kwargs = {}
         if masked is None and not self.shape.exact:
-            return self._plain_pass(tokens, rows, keep)
-        total = start + rows
-        padded = padded_keys(total, self.avoid)
-        for layer in self.cache.layers:
-            layer.keys_to = padded
-        keys = torch.arange(padded, device=device)
-        if masked is None:
-            positions = torch.arange(start, total, device=device)
-            mask = keys[None, :] <= positions[:, None]
+            # as transformers' own generation runs it: unpadded keys, the model's own causal
+            # mask (none for a single row); the fastest pass, and not bit-exact
+            for layer in self.cache.layers:
+                layer.keys_to = 0
         else:
-            positions, pattern = masked
-            # padding rows sit after the real ones and see the cache and themselves
-            positions = torch.cat([positions, positions[-1] + 1 + torch.arange(
-                rows - n, device=device)])
-            mask = torch.zeros(rows, padded, dtype=torch.bool, device=device)
-            mask[:n, :start + n] = pattern
-            mask[n:, :start] = True
-            mask[torch.arange(n, rows, device=device), torch.arange(start + n, total,
-                                                                    device=device)] = True
+            total = start + rows
+            padded = padded_keys(total, self.avoid)
+            for layer in self.cache.layers:
+                layer.keys_to = padded
+            keys = torch.arange(padded, device=device)
+            if masked is None:
+                positions = torch.arange(start, total, device=device)
+                mask = keys[None, :] <= positions[:, None]
+            else:
+                positions, pattern = masked
+                # padding rows sit after the real ones and see the cache and themselves
+                positions = torch.cat([positions, positions[-1] + 1 + torch.arange(
+                    rows - n, device=device)])
+                mask = torch.zeros(rows, padded, dtype=torch.bool, device=device)
+                mask[:n, :start + n] = pattern
+                mask[n:, :start] = True
+                mask[torch.arange(n, rows, device=device),
+                     torch.arange(start + n, total, device=device)] = True
+            kwargs = {"attention_mask": self._mask(mask), "position_ids": positions[None]}
         if rows > n:
             tokens = torch.cat([tokens, tokens[-1:].expand(rows - n)])
-        # a shaped pass keeps every row's logits, so that the output layer's matmul has a
-        # fixed shape too; the prefill keeps only what it returns
+        # a padded pass keeps every row's logits, so that the output layer's matmul has a
+        # fixed shape too; an unpadded one keeps only what it returns
         out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
-                         attention_mask=self._mask(mask), position_ids=positions[None],
-                         logits_to_keep=keep if rows == n else 0)
+                         logits_to_keep=keep if rows == n else 0,
+                         output_hidden_states=bool(layers), **kwargs)
         self.forwards += 1
         self._set_length(start + n)
         logits = out.logits[0, :, : self.vocab_size]
         if rows > n:
             logits = logits[:n]
-            return logits[-keep:] if keep else logits
-        return logits
-
-    def _plain_pass(self, tokens: torch.Tensor, rows: int, keep: int) -> torch.Tensor:
-        """A pass as transformers' own generation runs it: unpadded keys, the model's own
-        causal mask (none for a single row). The fastest pass, and not bit-exact."""
-        n, start = tokens.shape[0], self._length
-        for layer in self.cache.layers:
-            layer.keys_to = 0
-        if rows > n:
-            tokens = torch.cat([tokens, tokens[-1:].expand(rows - n)])
-        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
-                         logits_to_keep=keep if rows == n else 0)
-        self.forwards += 1
-        self._set_length(start + n)
-        logits = out.logits[0, :n, : self.vocab_size] if rows > n else out.logits[
-            0, :, : self.vocab_size]
-        return logits[-keep:] if keep and rows > n else logits
+            logits = logits[-keep:] if keep else logits
+        hidden = torch.stack([out.hidden_states[i][0, :n] for i in layers], dim=1) \
+            if layers else None
+        return _Pass(logits, hidden)
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """(rows, keys) bool -> the 4-D mask the model's attention takes."""

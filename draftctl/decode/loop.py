@@ -24,8 +24,7 @@ from draftctl.decode.features import FeatureRecord, SequenceState, records_from_
 from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
 from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode.tree import verify_tree
-from draftctl.drafters.base import Draft, Drafter
-from draftctl.drafters.model import ModelDrafter
+from draftctl.drafters import Draft, Drafter, model_drafter
 from draftctl.retrieval.features import tried_chain
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel, check_same_vocabulary
@@ -178,8 +177,7 @@ class SpeculativeDecoder:
             if draft.device != target.device:
                 raise DecodeInputError(f"draft is on {draft.device}, target on {target.device}")
             context = min(context, draft.context_length)
-            drafter = ModelDrafter(CachedLM(draft.model, len(target.tokenizer)),
-                                   config.sampling)
+            drafter = model_drafter(draft, len(target.tokenizer), config.sampling)
         return cls(target.model, drafter, vocab_size=len(target.tokenizer),
                    eos_ids=target.eos_token_ids, context_length=context, config=config)
 
@@ -213,8 +211,12 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.reset()
         controller.reset()
-        if len(seq) > 1:
-            self.target.prefill(seq[:-1])  # all but the last token, which goes with the draft
+        layers = self.drafter.hidden_layers if self.drafter is not None else ()
+        if len(seq) > 1:  # all but the last token, which goes with the draft
+            if layers:
+                self.drafter.accepted(len(seq) - 1, self.target.prefill_hidden(seq[:-1], layers))
+            else:
+                self.target.prefill(seq[:-1])
         state = SequenceState(len(seq))
         produced, index = 0, 0
         watch = _Stopwatch(self.device)
@@ -272,7 +274,12 @@ class SpeculativeDecoder:
         (k,)."""
         k = draft.tokens.shape[0]
         fed = torch.cat([seq[len(self.target):], draft.tokens])
-        target_logits = self.target.forward(fed)[-(k + 1):]  # (k+1, V)
+        layers = self.drafter.hidden_layers if self.drafter is not None else ()
+        if layers:
+            target_logits, hidden = self.target.forward_hidden(fed, layers)
+            target_logits = target_logits[-(k + 1):]
+        else:
+            target_logits, hidden = self.target.forward(fed)[-(k + 1):], None  # (k+1, V)
         sampling = self.config.sampling
         if sampling.greedy:
             verdict = verify_greedy(draft.tokens, target_logits)
@@ -284,8 +291,10 @@ class SpeculativeDecoder:
             verdict = verify_sampling(draft.tokens, q_draft, p_target, generator)
             beta = overlap(p_target[:k], q_draft)
         self.target.truncate(len(seq) + verdict.n_accepted)
-        if self.drafter is not None:
-            self.drafter.accepted(len(seq) + verdict.n_accepted)
+        if self.drafter is not None:  # the fed tokens up to the accepted drafts are verified
+            verified = len(fed) - k + verdict.n_accepted
+            self.drafter.accepted(len(seq) + verdict.n_accepted,
+                                  hidden[:verified] if hidden is not None else None)
         return verdict, beta, target_logits[:k].argmax(dim=-1)
 
     def _verify_tree(self, seq: torch.Tensor,

@@ -19,7 +19,7 @@ import os
 import platform
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -58,6 +58,9 @@ class DistillConfig:
     # out of training) instead of eval_prompts / eval_split: a pool then needs no other set
     holdout_every: int = 0
     eval_max_new_tokens: int = 128
+    # model: a small independent draft (the target's first n_layers layers); feature: one
+    # layer reading the target's hidden states at feature_layers (EAGLE-3 style)
+    kind: str = "model"
     n_layers: int = 4
     head_size: int = 8192
     # > 0: the head is the smallest of head_sizes whose most frequent training tokens cover at
@@ -68,6 +71,8 @@ class DistillConfig:
     # the target's hidden states (output_hidden_states indices) saved at every position with
     # the labels, for feature-level drafts; () saves none
     feature_layers: list[int] = field(default_factory=list)
+    unroll_steps: int = 3  # feature drafts: steps trained on the draft's own features
+    unroll_decay: float = 0.8  # ... each step's loss weighted decay ** (step - 1)
     prompt_loss: bool = False  # also learn the teacher's labels on the prompts' positions
     steps: int = 3000
     batch_sequences: int = 4
@@ -88,6 +93,17 @@ class DistillConfig:
 def target_dtype(target: str, device: str, dtype: str) -> str:
     """``auto``: the target's calibrated dtype (its profile, made once if missing)."""
     return settle(target, None, device).target_dtype if dtype == "auto" else dtype
+
+
+def _check(cfg: DistillConfig) -> None:
+    if cfg.kind not in KINDS:
+        raise DraftctlError(f"unknown draft kind {cfg.kind!r}: use {', '.join(KINDS)}")
+    if cfg.kind == "feature" and not cfg.feature_layers:
+        raise DraftctlError("a feature draft reads the target's hidden states: set "
+                            "feature_layers (e.g. [3, 15, 28] for a 30-layer target)")
+
+
+KINDS = ("model", "feature")
 
 
 def head_size_for(train_rows: list[dict], heldout_rows: list[dict], sizes: list[int],
@@ -271,6 +287,7 @@ def agreement(draft: DraftLM, rows: list[dict]) -> float:
 def run_distill(cfg: DistillConfig) -> dict:
     """Run (or resume) every stage; returns the manifest of the finished draft."""
     started = time.time()
+    _check(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
@@ -318,8 +335,9 @@ def run_distill(cfg: DistillConfig) -> dict:
         teacher = {"head_ids": head_ids, **labelled}
         _atomic_save(teacher, teacher_path)
 
-    draft, history, step = _train(cfg, target, teacher, eval_rows, out)
-    final_agreement = agreement(draft, eval_rows)
+    trainee = _trainee(cfg, target, teacher, eval_rows, out)
+    history, step = _train(cfg, trainee, len(teacher["sequences"]), out)
+    final = trainee.evaluate(trainee.draft)
     data_tokens = sum(len(r["response_ids"]) for r in rows)
     manifest = {
         "format": "draftctl-distilled-draft/1",
@@ -334,23 +352,27 @@ def run_distill(cfg: DistillConfig) -> dict:
                  "responses_sha256": _sha256(out / "data" / "responses.jsonl"),
                  "prompt_loss": cfg.prompt_loss, "extra_text": texts["files"],
                  "labelled_positions": sum(len(ids) for ids in teacher["label_ids"])},
-        "architecture": {"n_layers": cfg.n_layers, "head_size": len(teacher["head_ids"]),
+        "architecture": {"kind": cfg.kind,
+                         "n_layers": 1 if cfg.kind == "feature" else cfg.n_layers,
+                         "feature_layers": cfg.feature_layers if cfg.kind == "feature" else None,
+                         "head_size": len(teacher["head_ids"]),
                          "head_coverage_heldout": coverage(teacher["head_ids"], eval_rows),
                          "embedding": "target's, frozen, not stored",
                          "head": "trained, initialised from the head tokens' embedding rows"},
         "training": {"steps": step, "history": history},
-        "agreement_eval_float32": final_agreement,
+        "agreement_eval_float32": final["agreement"],
+        "eval_float32": final,
         "config": asdict(cfg),
         "made_on": {"device": str(target.device), "target_dtype": str(target.dtype),
                     "threads": torch.get_num_threads(),
                     "machine": platform.machine(), "torch": torch.__version__},
         "wall_minutes_this_run": (time.time() - started) / 60,
     }
-    save_draft(draft, out, cfg.target, manifest)
+    trainee.save(out, manifest)
     # What ships is int8: measure the agreement of the weights as saved, too.
-    embedding = draft.model.embed_tokens.weight.detach()
-    manifest["agreement_eval_int8"] = agreement(load_draft(out, embedding), eval_rows)
-    save_draft(draft, out, cfg.target, manifest)
+    saved = trainee.evaluate(trainee.load(out))
+    manifest["agreement_eval_int8"], manifest["eval_int8"] = saved["agreement"], saved
+    trainee.save(out, manifest)
     return manifest
 
 
@@ -358,10 +380,76 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: list[dict],
-           out: Path) -> tuple[DraftLM, list, int]:
+@dataclass
+class _Trainee:
+    """What training needs of a draft kind: the model, the loss of a batch (sequence indices
+    -> summed loss, labelled positions), an evaluation ({"agreement": ...}), its learned
+    state, and how it is saved and read back."""
+
+    draft: torch.nn.Module
+    batch_loss: Callable[[list[int]], tuple[torch.Tensor, int]]
+    evaluate: Callable[[torch.nn.Module], dict]
+    state: Callable[[], dict]
+    save: Callable[[Path, dict], None]
+    load: Callable[[Path], torch.nn.Module]
+
+
+def _trainee(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: list[dict],
+             out: Path) -> _Trainee:
     torch.manual_seed(cfg.seed)
+    sequences, ids, probs = teacher["sequences"], teacher["label_ids"], teacher["label_probs"]
+    if cfg.kind == "feature":
+        from draftctl.distill import feature
+
+        draft = feature.from_target(target.model, teacher["head_ids"],
+                                    tuple(cfg.feature_layers)).float()
+        states = teacher_features(out / "data" / "teacher", len(sequences))
+        embedding = draft.embed.detach()
+        return _Trainee(
+            draft,
+            lambda batch: feature.training_loss(
+                draft, [(*sequences[i], ids[i], probs[i], states[i]) for i in batch],
+                cfg.unroll_steps, cfg.unroll_decay),
+            lambda model: _named(feature.agreement(model, eval_rows, target.model)),
+            lambda: feature.trainable_state(draft),
+            lambda folder, manifest: feature.save_feature_draft(draft, folder, cfg.target,
+                                                                manifest),
+            lambda folder: feature.load_feature_draft(folder, embedding))
     draft = from_target(target.model, cfg.n_layers, teacher["head_ids"]).float()
+    embedding = draft.model.embed_tokens.weight.detach()
+    return _Trainee(
+        draft,
+        lambda batch: distill_loss(draft, [(*sequences[i], ids[i], probs[i]) for i in batch]),
+        lambda model: {"agreement": agreement(model, eval_rows)},
+        lambda: trainable_state(draft),
+        lambda folder, manifest: save_draft(draft, folder, cfg.target, manifest),
+        lambda folder: load_draft(folder, embedding))
+
+
+def _named(by_step: list[float]) -> dict:
+    """Agreement at step 1 (the target's features) and at later steps (the draft's own)."""
+    return {"agreement": by_step[0],
+            **{f"agreement_step{j}": a for j, a in enumerate(by_step[1:], start=2)}}
+
+
+def teacher_features(folder: Path, n: int) -> list[torch.Tensor]:
+    """The target's hidden states saved with the teacher labels, in sequence order."""
+    features: list = [None] * n
+    for path in sorted(folder.glob("part-*.pt")):
+        saved = torch.load(path)
+        if not saved["layers"]:
+            raise DraftctlError(f"{path} holds no hidden states: label again with "
+                                f"feature_layers set (remove {folder} and teacher.pt)")
+        for k, i in enumerate(saved["index"]):
+            features[i] = saved["features"][k]
+    missing = sum(f is None for f in features)
+    if missing:
+        raise DraftctlError(f"{folder} lacks the hidden states of {missing} sequences")
+    return features
+
+
+def _train(cfg: DistillConfig, trainee: _Trainee, n: int, out: Path) -> tuple[list, int]:
+    draft = trainee.draft
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(
@@ -377,8 +465,8 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
         random.setstate(state["python_rng"])
     else:
         random.seed(cfg.seed)
-        history.append({"step": 0, "agreement": agreement(draft, eval_rows)})
-    n = len(teacher["sequences"])
+        draft.eval()
+        history.append({"step": 0, **trainee.evaluate(draft)})
     order = list(range(n))
     budget_s = cfg.time_budget_min * 60 if cfg.time_budget_min else math.inf
     bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step")
@@ -386,7 +474,7 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
     mark = time.time()
 
     def _checkpoint() -> None:
-        _atomic_save({"model": trainable_state(draft), "optimizer": optimizer.state_dict(),
+        _atomic_save({"model": trainee.state(), "optimizer": optimizer.state_dict(),
                       "schedule": schedule.state_dict(), "step": step, "history": history,
                       "spent_s": spent + time.time() - mark,
                       "python_rng": random.getstate()}, ckpt)
@@ -394,8 +482,7 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
     while step < cfg.steps and spent + (time.time() - mark) < budget_s:
         batch = random.sample(order, min(cfg.batch_sequences, n))
         optimizer.zero_grad(set_to_none=True)
-        loss, count = distill_loss(draft, [(*teacher["sequences"][i], teacher["label_ids"][i],
-                                             teacher["label_probs"][i]) for i in batch])
+        loss, count = trainee.batch_loss(batch)
         loss.backward()
         loss_sum = float(loss.detach())
         for p in params:
@@ -409,7 +496,7 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
         if step % cfg.eval_every == 0 or step == cfg.steps:
             draft.eval()
             history.append({"step": step, "loss": loss_sum / max(count, 1),
-                            "agreement": agreement(draft, eval_rows)})
+                            **trainee.evaluate(draft)})
             draft.train()
             bar.write(f"step {step}: eval agreement {history[-1]['agreement']:.3f}")
         if step % cfg.checkpoint_every == 0:
@@ -418,4 +505,4 @@ def _train(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: li
         _checkpoint()  # the final state, so a rerun reproduces this draft without training
     bar.close()
     draft.eval()
-    return draft, history, step
+    return history, step

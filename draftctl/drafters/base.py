@@ -69,9 +69,10 @@ class Drafter(Protocol):
         """Draft at most ``budget`` tokens (tree: depth) after ``seq`` (1-D long)."""
 
     def accepted(self, length: int, hidden: torch.Tensor | None = None) -> None:
-        """The verified sequence now has ``length`` tokens; ``hidden`` (n, layers, H): the
-        target's states at the ``n`` positions it has just verified, ending at ``length - 2``
-        (the last token, the correction or bonus, is not verified yet)."""
+        """The target has now seen the first ``length`` tokens of the sequence (the round's
+        correction or bonus token follows them, not yet seen); ``hidden`` (n, layers, H): its
+        states at the ``n`` positions it has just seen, ``length - n .. length - 1``, when the
+        drafter asks for ``hidden_layers``. Also called after the prompt's prefill."""
 
     @property
     def forwards(self) -> int:

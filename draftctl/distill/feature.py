@@ -1,0 +1,228 @@
+"""A feature-level draft (EAGLE-3 style, methods.md section 6): one decoder layer that reads the
+target's own hidden states.
+
+To predict the token after position p, the draft takes the embedding of token ``x_p`` and a
+feature of position ``p - 1``: the target's hidden states at ``feature_layers`` (low, middle,
+high), fused by ``fc``; or, when ``p - 1`` is itself a draft position, the draft's own output
+there. ``mix`` maps (embedding, feature) to the layer's input; the layer's output goes through
+a frozen copy of the target's final norm into a trained head over ``head_ids`` (the most
+frequent tokens of the training text). ``q`` is zero outside ``head_ids``.
+
+Training unrolls the draft over ``steps`` steps on its own features ("training-time test"):
+step 1 reads the target's features, step j > 1 reads step j - 1's outputs one position back,
+each step's loss weighted ``decay ** (j - 1)``, so drafting two or three tokens ahead holds up.
+
+Stored files: ``config.json`` (format, target, feature layers, layer config),
+``model.safetensors`` (matrices as int8 with one float scale per row, norms, ``head_ids``),
+``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from draftctl.distill.model import DraftFileError, _dequantize, _quantize
+
+FORMAT = "draftctl-feature-draft/1"
+
+
+class FeatureDraftLM(nn.Module):
+    """One decoder layer over (token embedding, target feature), with a reduced head.
+
+    config: the target's config (its layer shapes; ``num_hidden_layers`` is ignored).
+    embedding: the target's token embedding (V, H), frozen, not stored. norm_weight: the
+    target's final norm (H,), frozen. feature_layers: the target's ``output_hidden_states``
+    indices the draft reads.
+    """
+
+    def __init__(self, config: PretrainedConfig, embedding: torch.Tensor, head_ids: torch.Tensor,
+                 norm_weight: torch.Tensor, feature_layers: tuple[int, ...]):
+        super().__init__()
+        hidden = config.hidden_size
+        config._attn_implementation = "sdpa"
+        self.config = config
+        self.feature_layers = tuple(feature_layers)
+        self.embed = nn.Parameter(embedding, requires_grad=False)
+        self.register_buffer("head_ids", head_ids.long(), persistent=False)
+        self.fc = nn.Linear(len(feature_layers) * hidden, hidden, bias=False)
+        self.mix = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        with torch.no_grad():
+            self.norm.weight.copy_(norm_weight)
+        self.norm.weight.requires_grad_(False)
+        self.head = nn.Linear(hidden, len(head_ids), bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(embedding[self.head_ids])
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, own: bool = False,
+                cache=None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids (B, T): the tokens x_p; features (B, T, layers, H) the target's states at
+        p - 1, or (B, T, H) the draft's own outputs there (``own``). Returns the layer's
+        outputs (B, T, H), the next features, and head logits (B, T, len(head_ids))."""
+        feature = features if own else self.fc(features.flatten(-2).to(self.fc.weight.dtype))
+        x = self.mix(torch.cat([self.embed[input_ids].to(feature.dtype), feature], dim=-1))
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device)[None]
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, use_cache=cache is not None,
+                         position_embeddings=self.rotary(x, position_ids))
+        return out, self.head(self.norm(out))
+
+
+def from_target(target: nn.Module, head_ids: torch.Tensor,
+                feature_layers: tuple[int, ...]) -> FeatureDraftLM:
+    """A feature draft initialised from the target's last decoder layer and its head rows."""
+    config = type(target.config)(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    embedding = target.get_input_embeddings().weight.detach().float().clone()
+    draft = FeatureDraftLM(config, embedding, head_ids, target.model.norm.weight.detach().float(),
+                           feature_layers)
+    draft.layer.load_state_dict({k: v.float() for k, v in
+                                 target.model.layers[-1].state_dict().items()})
+    hidden = config.hidden_size
+    with torch.no_grad():  # start from the highest feature, plus the token's embedding
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, -hidden:] = torch.eye(hidden)
+        draft.mix.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
+    return draft
+
+
+def training_loss(draft: FeatureDraftLM, items: list[tuple], steps: int,
+                  decay: float) -> tuple[torch.Tensor, int]:
+    """The unrolled loss over a batch, summed over labelled positions and steps.
+
+    items: (tokens (L,), first labelled position s, label ids (n, k), label probs (n, k),
+    target features (L, layers, H)); label row r is the teacher's distribution after position
+    s + r. Step j predicts, at position p >= j, the token after p from the embedding of x_p and
+    a feature of p - 1 (the target's at step 1, step j - 1's output after). Returns (loss,
+    labelled positions of step 1).
+    """
+    width = max(len(t) for t, *_ in items) - 1
+    batch = len(items)
+    ids = torch.zeros((batch, width), dtype=torch.long)
+    feats = torch.zeros((batch, width, *items[0][4].shape[1:]))
+    for row, (tokens, _, _, _, features) in enumerate(items):
+        n = len(tokens) - 1
+        ids[row, :n] = tokens[1:]  # position p = column + 1
+        feats[row, :n] = features[:n].float()
+    loss, counted = 0.0, 0
+    previous = None
+    for step in range(1, steps + 1):
+        shift = step - 1  # column c of this step is position p = c + step
+        if step == 1:
+            out, logits = draft(ids, feats)
+        else:
+            out, logits = draft(ids[:, shift:], previous[:, :-1], own=True)
+        total = 0.0
+        for row, (tokens, start, label_ids, label_probs, _) in enumerate(items):
+            first = max(start, step)  # positions with a label, reachable at this step
+            last = len(tokens) - 2
+            if last < first:
+                continue
+            log_q = torch.log_softmax(logits[row, first - step:last - step + 1].float(), -1)
+            target = label_probs[first - start:last - start + 1].float()
+            target = target / target.sum(-1, keepdim=True)
+            picked = log_q.gather(-1, label_ids[first - start:last - start + 1].long())
+            total = total - (target * picked).sum()
+            if step == 1:
+                counted += last - first + 1
+        loss = loss + decay ** shift * total
+        previous = out
+    return loss, counted
+
+
+@torch.inference_mode()
+def agreement(draft: FeatureDraftLM, rows: list[dict], target: nn.Module,
+              steps: int = 2) -> list[float]:
+    """Greedy top-1 agreement with the target along its own greedy output, at step 1 (target
+    features) and at each later unrolled step (the draft's own features)."""
+    hits, totals = [0] * steps, [0] * steps
+    device = next(target.parameters()).device
+    for row in rows:
+        if not row["response_ids"]:
+            continue
+        tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
+        states = target(tokens[None].to(device), output_hidden_states=True).hidden_states
+        features = torch.stack([states[k][0] for k in draft.feature_layers], dim=1).float().cpu()
+        start = len(row["prompt_ids"]) - 1
+        previous = None
+        for step in range(1, steps + 1):
+            if step == 1:
+                out, logits = draft(tokens[None, 1:], features[None, :-1])
+            else:
+                out, logits = draft(tokens[None, step:], previous[:, :-1], own=True)
+            first = max(start, step)
+            guess = draft.head_ids[logits[0, first - step:len(tokens) - 1 - step].argmax(-1)]
+            hits[step - 1] += int((guess == tokens[first + 1:]).sum())
+            totals[step - 1] += len(tokens) - 1 - first
+            previous = out
+    return [h / t if t else float("nan") for h, t in zip(hits, totals)]
+
+
+def trainable_state(draft: FeatureDraftLM) -> dict[str, torch.Tensor]:
+    """Everything the draft learned (not the shared embedding)."""
+    return {k: v for k, v in draft.state_dict().items() if k != "embed"}
+
+
+def save_feature_draft(draft: FeatureDraftLM, folder: str | Path, target_spec: str,
+                       manifest: dict) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = _quantize(trainable_state(draft))
+    tensors["head_ids"] = draft.head_ids.cpu().to(torch.int32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {"format": FORMAT, "target": target_spec,
+              "feature_layers": list(draft.feature_layers), "layers": draft.config.to_dict()}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    weights_sha = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "weights_sha256": weights_sha},
+                                                     indent=2))
+
+
+def is_feature_draft(folder: str | Path) -> bool:
+    config = Path(folder) / "config.json"
+    try:
+        return config.is_file() and json.loads(config.read_text()).get("format") == FORMAT
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def load_feature_draft(folder: str | Path, embedding: torch.Tensor) -> FeatureDraftLM:
+    """Rebuild a saved feature draft over the target's embedding (V, H)."""
+    folder = Path(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    layers = dict(saved["layers"])
+    config = AutoConfig.for_model(layers.pop("model_type"), **layers)
+    weights = folder / "model.safetensors"
+    try:
+        stored = load_file(str(weights))
+    except (OSError, SafetensorError) as err:
+        raise DraftFileError(f"draft weights {weights} are missing or corrupt: {err}") from None
+    if tuple(embedding.shape) != (config.vocab_size, config.hidden_size):
+        raise DraftFileError(
+            f"draft {folder} expects a target embedding of shape "
+            f"({config.vocab_size}, {config.hidden_size}), got {tuple(embedding.shape)}")
+    state = _dequantize({k: v for k, v in stored.items() if k != "head_ids"})
+    draft = FeatureDraftLM(config, embedding, stored["head_ids"], state["norm.weight"],
+                           tuple(saved["feature_layers"]))
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "embed"]
+    if missing or unexpected:
+        raise DraftFileError(f"draft weights {weights} do not fit its config: missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]}")
+    return draft.eval()

@@ -1,0 +1,121 @@
+"""The drafter protocol: the draft model, the feature-level draft and REST through one loop,
+each lossless; the feature draft end to end (distill --kind feature, load, decode)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from draftctl.controllers import make_controller
+from draftctl.decode import generate
+from draftctl.decode.cached_lm import PassShape
+from draftctl.distill import feature
+from draftctl.distill.run import DistillConfig, run_distill
+from draftctl.drafters.feature import FeatureDrafter
+from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.errors import DraftctlError
+from draftctl.models import load_model
+from draftctl.retrieval.datastore import SEPARATOR
+from draftctl.retrieval.retriever import RetrievalConfig, Retriever
+from tests.conftest import make_decoder, tiny_pair
+from tests.test_models import save_model
+from tests.test_retrieval import store
+from tests.test_sampling import SAMPLING, exact_distribution, fits, sample_counts
+
+PROMPTS = [[5, 6, 7, 8, 9], [1], [40, 2, 2, 17, 88, 3, 60, 61, 62]]
+SPECS = ["static:1", "static:3", "static:7", "heuristic", "svip:0.5", "pmin:0.3", "confidence"]
+
+
+def feature_draft(target, layers=(1, 2), seed=0):
+    torch.manual_seed(seed)
+    head = torch.arange(target.config.vocab_size)
+    return feature.from_target(target, head, layers).eval()
+
+
+def test_one_loop_serves_every_drafter_losslessly(tmp_path):
+    target, draft = tiny_pair(vocab_size=97)
+    plain = make_decoder(target, None, max_new_tokens=30)
+    outputs = [generate(plain, p, make_controller("none")).output_ids for p in PROMPTS]
+    corpus = [t for p, out in zip(PROMPTS, outputs) for t in (*p, *out, SEPARATOR)]
+    corpus += list(np.random.default_rng(0).integers(0, 97, 500))
+    drafters = {
+        "model": draft,
+        "feature": FeatureDrafter(feature_draft(target), 97, plain.config.sampling),
+        "rest": RetrievalDrafter(Retriever(store(tmp_path, corpus), RetrievalConfig(max_nodes=8))),
+    }
+    for name, drafter in drafters.items():
+        decoder = make_decoder(target, drafter, max_new_tokens=30)
+        drafted = 0
+        for prompt, expected in zip(PROMPTS, outputs):
+            for spec in SPECS:
+                result = generate(decoder, prompt, make_controller(spec))
+                assert result.output_ids == expected, (name, spec)
+                drafted += sum(r.drafted for r in result.rounds)
+        assert drafted > 0, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_feature_drafter_reads_the_target_states_it_is_handed(dtype):
+    """Greedy identity in both dtypes, and the draft's cache keeps exactly the entries made
+    from the target's own states."""
+    target, _ = tiny_pair(vocab_size=97)
+    target = target.to(dtype)
+    drafter = FeatureDrafter(feature_draft(target).to(dtype), 97,
+                             make_decoder(target, None).config.sampling)
+    decoder = make_decoder(target, drafter, max_new_tokens=40, pass_shape=PassShape(fixed=4))
+    prompt = [5, 6, 7, 8, 9, 10]
+    expected = generate(decoder, prompt, make_controller("none")).output_ids
+    seq = list(prompt)
+    for record in decoder.rounds(prompt, make_controller("static:3")):
+        seq += record.new_tokens
+        # the target has seen all but the newest token; the draft holds entries 1 .. seen - 1
+        # made from the target's states, and the states of the newest seen position wait
+        assert len(decoder.target) == len(seq) - 1
+        assert drafter.entries + len(drafter.pending) == len(seq) - 1
+        assert drafter.entries <= len(seq) - 2
+    assert seq[len(prompt):] == expected
+
+
+def test_feature_sampling_matches_the_target_distribution():
+    target, _ = tiny_pair(vocab_size=6, noise=0.8, layers=2, hidden=16)
+    drafter = FeatureDrafter(feature_draft(target, seed=3), 6,
+                             make_decoder(target, None, **SAMPLING).config.sampling)
+    decoder = make_decoder(target, drafter, max_new_tokens=3, **SAMPLING)
+    exact = exact_distribution(target, decoder.config.sampling, decoder.config.pass_shape)
+    assert fits(sample_counts(decoder, make_controller("static:2"), 6000), exact, 6000)
+
+
+def test_distill_feature_draft_end_to_end(tmp_path):
+    teacher = save_model(tmp_path / "teacher")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(
+        json.dumps({"question_id": i, "category": "qa",
+                    "turns": [" ".join(f"w{(i * 7 + j) % 90}" for j in range(3 + i % 4))]})
+        for i in range(24)))
+    config = DistillConfig(target=teacher, out=str(tmp_path / "draft"), prompts=str(prompts),
+                           split="all", holdout_every=6, eval_limit=3, samples_per_prompt=1,
+                           max_new_tokens=10, gen_batch=4, eval_max_new_tokens=10,
+                           kind="feature", feature_layers=[1, 2], head_coverage=0.9,
+                           head_sizes=[20, 40, 60], teacher_top_k=4, steps=4,
+                           batch_sequences=2, eval_every=2, checkpoint_every=2, warmup_steps=1,
+                           lr=3e-3, dtype="float32")
+    manifest = run_distill(config)
+    assert manifest["architecture"]["kind"] == "feature"
+    assert manifest["architecture"]["feature_layers"] == [1, 2]
+    assert {"agreement", "agreement_step2"} <= set(manifest["eval_float32"])
+    assert manifest["architecture"]["head_size"] in (20, 40, 60)
+    assert manifest["data"]["eval_prompts"] == 3
+    target = load_model(teacher, "cpu")
+    draft = load_model(config.out, "cpu", target=target)
+    assert isinstance(draft.model, feature.FeatureDraftLM)
+    decoder = make_decoder(target.model, FeatureDrafter(draft.model, 97,
+                                                        make_decoder(target.model, None)
+                                                        .config.sampling), max_new_tokens=12)
+    ids = target.tokenizer("w3 w4 w5")["input_ids"]
+    reference = generate(decoder, ids, make_controller("none")).output_ids
+    for spec in ("static:3", "svip:0.5"):
+        assert generate(decoder, ids, make_controller(spec)).output_ids == reference
+    with pytest.raises(DraftctlError, match="needs|feature_layers"):
+        run_distill(DistillConfig(**{**config.__dict__, "feature_layers": [],
+                                     "out": str(tmp_path / "bad")}))
