@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
 from common import write_report
 from tqdm import tqdm
 
@@ -23,7 +24,7 @@ from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.decode.cached_lm import PassShape
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
-from draftctl.profile import settle
+from draftctl.profile import candidate_dtypes, settle
 from draftctl.prompts import load_prompts
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -52,7 +53,8 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=9)
     parser.add_argument("--controllers", default=CONTROLLERS)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="dtypes this CPU does not compute natively are reported as skipped")
     parser.add_argument("--free-prompts", type=int, default=12,
                         help="prompts decoded with unpadded passes too (0: skip)")
     parser.add_argument("--out", default="benchmarks/results/exactness.json")
@@ -63,8 +65,13 @@ def main() -> None:
     prompts = load_prompts(args.prompts, args.split, per_category=args.per_category)
     profile = settle(args.target, draft_spec, "cpu").profile
     report = {"target": args.target, "draft": draft_spec, "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "controllers": specs, "runs": {}}
+              "max_new_tokens": args.max_new_tokens, "controllers": specs,
+              "threads": torch.get_num_threads(), "runs": {}}
+    native = candidate_dtypes(torch.device("cpu"))
     for dtype in args.dtypes.split(","):
+        if dtype not in native:
+            report.setdefault("skipped", {})[dtype] = "this CPU has no native kernels for it"
+            continue
         target = load_model(args.target, "cpu", dtype)
         draft = load_model(draft_spec, "cpu", dtype, target=target)
         encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
@@ -81,6 +88,8 @@ def main() -> None:
                 "runs": len(subset) * len(specs), "mismatches": sum(counts.values()),
                 "by_controller": counts}
     write_report(report, args.out)
+    for dtype, why in report.get("skipped", {}).items():
+        print(f"{dtype:<20} skipped: {why}")
     for name, run in report["runs"].items():
         print(f"{name:<20} {run['mismatches']:>4} mismatches in {run['runs']} runs "
               f"({run['prompts']} prompts x {len(specs)} controllers)")

@@ -93,6 +93,9 @@ def candidate_dtypes(device: torch.device, asked: list[str] | None = None) -> li
     return chosen
 
 
+TIE_TOLERANCE = 0.05  # modelled rates this close count as equal (timing noise)
+
+
 def expected_tokens(k: int, alpha: float) -> float:
     """Tokens per round with k drafts and i.i.d. acceptance alpha (bonus included)."""
     return (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -122,13 +125,22 @@ def best_static(t_ms: dict[int, float], shape: PassShape, t_draft: float,
     return k, rates[k]
 
 
-def rank_rows(t_ms: dict[int, float], t_draft: float, alpha: float) -> list[tuple[int, int, float]]:
-    """(M, K, tokens per ms) for every fixed shape M and its best static K, fastest first."""
+def rank_rows(t_ms: dict[int, float], t_draft: float, alpha: float,
+              tolerance: float = TIE_TOLERANCE) -> list[tuple[int, int, float]]:
+    """(M, K, tokens per ms) for every fixed shape M and its best static K, fastest first.
+
+    Shapes whose modelled rate is within ``tolerance`` of the fastest are ranked as tied, the
+    smallest first: two calibrations of one machine differ by more than that (measured: a
+    4-row pass at 101 and 124 ms in two runs), and a smaller M costs less when the draft is
+    poor and for plain decoding, which every pass shape taxes."""
     ranked = []
     for rows in range(MIN_ROWS, max(t_ms) + 1):
         k, rate = best_static(t_ms, PassShape(fixed=rows), t_draft, alpha, rows - 1)
         ranked.append((rows, k, rate))
-    return sorted(ranked, key=lambda item: (-item[2], item[0]))
+    best = max(rate for _, _, rate in ranked)
+    return sorted(ranked, key=lambda item: (item[2] < best * (1 - tolerance),
+                                            item[0] if item[2] >= best * (1 - tolerance)
+                                            else -item[2]))
 
 
 def choose_rows(t_ms: dict[int, float], t_draft: float, alpha: float,

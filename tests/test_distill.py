@@ -39,6 +39,10 @@ def test_distill_writes_a_loadable_lossless_draft(setup):
     assert manifest["teacher"]["sha256"] and manifest["data"]["responses"] == 24  # 12 x 2
     assert 0.0 <= manifest["agreement_eval_float32"] <= 1.0
     assert abs(manifest["agreement_eval_int8"] - manifest["agreement_eval_float32"]) < 0.1
+    stages = manifest["stages"]
+    assert stages["responses"]["tokens"] == manifest["data"]["response_tokens"]
+    assert stages["responses"]["responses"] == 24 and stages["responses"]["tokens_per_s"] > 0
+    assert {"eval_responses", "teacher_labels", "training"} <= set(stages)
     target = load_model(teacher_spec, "cpu")
     draft = load_model(config.out, "cpu", target=target)
     assert isinstance(draft.model, DraftLM) and draft.model.head_ids.numel() == 40
@@ -73,6 +77,9 @@ def test_distill_resumes_after_an_interruption(setup, monkeypatch):
     assert calls["n"] == 2  # only steps 5 and 6 ran again
     assert manifest["training"]["steps"] == 6
     assert [h["step"] for h in manifest["training"]["history"]] == [0, 3, 6]
+    # the responses were all written by the first run; the second added none, and its time
+    assert manifest["stages"]["responses"]["runs"] == 2
+    assert manifest["stages"]["responses"]["responses"] == 24
 
 
 def test_a_finished_run_reruns_to_the_same_draft_without_training(setup, monkeypatch):

@@ -17,6 +17,7 @@ from draftctl.profile import (
     cheapest_pad,
     choose_rows,
     pass_time,
+    rank_rows,
     settle,
 )
 from draftctl.train.replay import CostModel
@@ -99,8 +100,13 @@ def test_choices_follow_the_cost_curve():
     flat = {n: 10.0 + 0.1 * n for n in range(1, 17)}  # a GPU-like curve: wide passes pay
     steep = {n: 10.0 * n ** 0.9 for n in range(1, 17)}  # a CPU-like curve: they do not
     assert choose_rows(flat, 1.0, 0.8)[0] > choose_rows(steep, 1.0, 0.8)[0]
-    assert choose_rows(flat, 1.0, 0.8)[0] >= 6
+    assert rank_rows(flat, 1.0, 0.8, tolerance=0.0)[0][0] >= 6  # strictly fastest: wide
+    assert choose_rows(flat, 1.0, 0.8)[0] >= 5  # the smallest within noise of it
     assert choose_rows(flat, 1.0, 0.8, frozenset(range(6, 17)))[0] < 6  # inexact shapes skipped
+    noisy = {n: 100.0 + 10 * n for n in range(1, 9)}
+    noisy[4], noisy[8] = 102.0, 100.0  # 8 rows "faster" than 4 by less than timing noise
+    assert rank_rows(noisy, 10.0, 0.6, tolerance=0.0)[0][0] == 8
+    assert choose_rows(noisy, 10.0, 0.6)[0] == 4
     assert pass_time(flat, PassShape(fixed=4), 9) == pytest.approx(3 * flat[4])
     assert pass_time(flat, PassShape(), 20) == pytest.approx(flat[16] + 4 * 0.1)
     dip = {1: 5.0, 2: 9.0, 3: 9.0, 4: 6.0, 5: 7.0}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -47,12 +48,15 @@ def _done_keys(path: Path) -> set[tuple[int, int]]:
 def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, *,
                        samples_per_prompt: int, max_new_tokens: int, temperature: float,
                        top_p: float, batch_size: int, max_prompt_tokens: int, seed: int,
-                       eos_ids: Iterable[int]) -> None:
+                       eos_ids: Iterable[int]) -> dict:
     """Append ``{"question_id", "sample", "prompt_ids", "response_ids"}`` rows to ``path``.
 
     Sample 0 is greedy; samples 1.. are drawn at ``temperature`` / ``top_p``. Each batch is
     seeded from (seed, its first key), so a resumed run draws what a straight run would.
+    Returns what this call wrote: ``{"responses", "tokens", "seconds"}``.
     """
+    started = time.perf_counter()
+    written = tokens = 0
     eos = sorted(eos_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     done = _done_keys(path)
@@ -91,10 +95,30 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
                 end = next((i + 1 for i, t in enumerate(response) if t in eos), len(response))
                 out.write(json.dumps({"question_id": qid, "sample": sample, "prompt_ids": ids,
                                       "response_ids": response[:end]}) + "\n")
+                written, tokens = written + 1, tokens + end
             out.flush()
             os.fsync(out.fileno())
             bar.update(len(batch))
     bar.close()
+    return {"responses": written, "tokens": tokens, "seconds": time.perf_counter() - started}
+
+
+def record_stage(folder: Path, stage: str, done: dict) -> dict:
+    """Add what a run of ``stage`` did (``seconds`` and counts) to ``folder/stages.json``, so
+    that the figures of a recipe that was interrupted and resumed add up; returns them all,
+    with ``tokens_per_s`` where tokens were counted."""
+    path = folder / "stages.json"
+    stages = json.loads(path.read_text()) if path.is_file() else {}
+    entry = stages.setdefault(stage, {"runs": 0})
+    entry["runs"] += 1
+    for key, value in done.items():
+        entry[key] = entry.get(key, 0) + value
+    if entry.get("tokens") and entry.get("seconds"):
+        entry["tokens_per_s"] = entry["tokens"] / entry["seconds"]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(stages, indent=2))
+    os.replace(tmp, path)
+    return stages
 
 
 def read_responses(path: Path) -> list[dict]:

@@ -27,11 +27,23 @@ import torch
 from tqdm import tqdm
 
 from draftctl.config import save_config
-from draftctl.distill.data import choose_head_ids, generate_responses, read_responses, text_rows
+from draftctl.distill.data import (
+    choose_head_ids,
+    generate_responses,
+    read_responses,
+    record_stage,
+    text_rows,
+)
 from draftctl.distill.model import DraftLM, from_target, load_draft, save_draft, trainable_state
 from draftctl.errors import DraftctlError
-from draftctl.models import DEFAULT_TARGET, LoadedModel, load_model, model_file_sha256
-from draftctl.profile import settle
+from draftctl.models import (
+    DEFAULT_TARGET,
+    LoadedModel,
+    load_model,
+    model_file_sha256,
+    resolve_device,
+)
+from draftctl.profile import candidate_dtypes, settle
 from draftctl.prompts import load_prompts
 
 
@@ -91,8 +103,12 @@ class DistillConfig:
 
 
 def target_dtype(target: str, device: str, dtype: str) -> str:
-    """``auto``: the target's calibrated dtype (its profile, made once if missing)."""
-    return settle(target, None, device).target_dtype if dtype == "auto" else dtype
+    """``auto``: the target's calibrated dtype (its profile, made once if missing); where the
+    device computes only one dtype natively, that one, without calibrating."""
+    if dtype != "auto":
+        return dtype
+    native = candidate_dtypes(resolve_device(device))
+    return native[0] if len(native) == 1 else settle(target, None, device).target_dtype
 
 
 def _check(cfg: DistillConfig) -> None:
@@ -308,11 +324,12 @@ def run_distill(cfg: DistillConfig) -> dict:
     common = {"max_prompt_tokens": cfg.max_prompt_tokens, "temperature": cfg.temperature,
               "top_p": cfg.top_p, "batch_size": cfg.gen_batch, "seed": cfg.seed,
               "eos_ids": target.eos_token_ids}
-    generate_responses(target.model, target.tokenizer, prompts, out / "data" / "responses.jsonl",
-                       samples_per_prompt=cfg.samples_per_prompt,
-                       max_new_tokens=cfg.max_new_tokens, **common)
-    generate_responses(target.model, target.tokenizer, eval_prompts, out / "data" / "eval.jsonl",
-                       samples_per_prompt=0, max_new_tokens=cfg.eval_max_new_tokens, **common)
+    record_stage(out, "responses", generate_responses(
+        target.model, target.tokenizer, prompts, out / "data" / "responses.jsonl",
+        samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens, **common))
+    record_stage(out, "eval_responses", generate_responses(
+        target.model, target.tokenizer, eval_prompts, out / "data" / "eval.jsonl",
+        samples_per_prompt=0, max_new_tokens=cfg.eval_max_new_tokens, **common))
     rows = read_responses(out / "data" / "responses.jsonl")
     texts = text_rows(target.tokenizer, cfg.extra_text, cfg.text_chunk_tokens)
     eval_rows = read_responses(out / "data" / "eval.jsonl")
@@ -327,6 +344,7 @@ def run_distill(cfg: DistillConfig) -> dict:
                                       cfg.head_coverage)["head_size"]
         head_ids = choose_head_ids(rows + texts["rows"], head_size, target.eos_token_ids,
                                    len(target.tokenizer))
+        labels_started = time.perf_counter()
         labelled = teacher_labels(target.model, rows + texts["rows"], head_ids,
                                   cfg.teacher_top_k, prompt_loss=cfg.prompt_loss,
                                   folder=out / "data" / "teacher",
@@ -334,9 +352,14 @@ def run_distill(cfg: DistillConfig) -> dict:
         labelled.pop("features")  # they stay in the parts; feature drafts load them there
         teacher = {"head_ids": head_ids, **labelled}
         _atomic_save(teacher, teacher_path)
+        record_stage(out, "teacher_labels", {
+            "seconds": time.perf_counter() - labels_started,
+            "tokens": sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)})
 
     trainee = _trainee(cfg, target, teacher, eval_rows, out)
+    train_started = time.perf_counter()
     history, step = _train(cfg, trainee, len(teacher["sequences"]), out)
+    stages = record_stage(out, "training", {"seconds": time.perf_counter() - train_started})
     final = trainee.evaluate(trainee.draft)
     data_tokens = sum(len(r["response_ids"]) for r in rows)
     manifest = {
@@ -366,6 +389,7 @@ def run_distill(cfg: DistillConfig) -> dict:
         "made_on": {"device": str(target.device), "target_dtype": str(target.dtype),
                     "threads": torch.get_num_threads(),
                     "machine": platform.machine(), "torch": torch.__version__},
+        "stages": stages,
         "wall_minutes_this_run": (time.time() - started) / 60,
     }
     trainee.save(out, manifest)
