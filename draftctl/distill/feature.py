@@ -19,13 +19,12 @@ Stored files: ``config.json`` (format, target, feature layers, layer config),
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import (
@@ -34,7 +33,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from draftctl.distill.model import DraftFileError, _dequantize, _quantize
+from draftctl.distill.model import DraftFileError, _dequantize, write_draft_folder
 
 FORMAT = "draftctl-feature-draft/1"
 
@@ -181,17 +180,10 @@ def trainable_state(draft: FeatureDraftLM) -> dict[str, torch.Tensor]:
 
 def save_feature_draft(draft: FeatureDraftLM, folder: str | Path, target_spec: str,
                        manifest: dict) -> None:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = _quantize(trainable_state(draft))
-    tensors["head_ids"] = draft.head_ids.cpu().to(torch.int32)
-    save_file(tensors, str(folder / "model.safetensors"))
-    config = {"format": FORMAT, "target": target_spec,
-              "feature_layers": list(draft.feature_layers), "layers": draft.config.to_dict()}
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    weights_sha = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-    (folder / "manifest.json").write_text(json.dumps({**manifest, "weights_sha256": weights_sha},
-                                                     indent=2))
+    write_draft_folder(folder, trainable_state(draft), draft.head_ids,
+                       {"format": FORMAT, "target": target_spec,
+                        "feature_layers": list(draft.feature_layers),
+                        "layers": draft.config.to_dict()}, manifest)
 
 
 def is_feature_draft(folder: str | Path) -> bool:

@@ -121,12 +121,20 @@ def _dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_draft(draft: DraftLM, folder: str | Path, target_spec: str, manifest: dict) -> None:
     """Write config.json, model.safetensors (int8 layers) and manifest.json."""
+    write_draft_folder(folder, trainable_state(draft), draft.head_ids,
+                       {"format": FORMAT, "target": target_spec,
+                        "layers": draft.config.to_dict()}, manifest)
+
+
+def write_draft_folder(folder: str | Path, state: dict[str, torch.Tensor],
+                       head_ids: torch.Tensor, config: dict, manifest: dict) -> None:
+    """A draft's folder: its learned ``state`` stored int8 with its ``head_ids``, its config,
+    and its manifest with the weights' hash."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = _quantize(trainable_state(draft))
-    tensors["head_ids"] = draft.head_ids.cpu().to(torch.int32)
+    tensors = _quantize(state)
+    tensors["head_ids"] = head_ids.cpu().to(torch.int32)
     save_file(tensors, str(folder / "model.safetensors"))
-    config = {"format": FORMAT, "target": target_spec, "layers": draft.config.to_dict()}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     weights_sha = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     (folder / "manifest.json").write_text(json.dumps({**manifest, "weights_sha256": weights_sha},

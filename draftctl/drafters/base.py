@@ -9,13 +9,26 @@ it holds; it verifies a chain in one pass and a tree under a tree attention mask
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from draftctl.controllers.base import Controller
-from draftctl.decode.features import TOP_K, FeatureRecord, SequenceState
+from draftctl.controllers.base import Action, Controller
+from draftctl.decode.features import TOP_K, FeatureRecord, SequenceState, make_record
+
+
+def ask_controller(controller: Controller, stat: torch.Tensor, depth: int, cum_top1: float,
+                   state: SequenceState, token: torch.Tensor) -> tuple[Action, FeatureRecord, float]:
+    """The controller's verdict on the drafted ``token`` at ``depth`` (1-based) of a chain:
+    (action, the token's feature record, seconds the decision took)."""
+    record = make_record(stat[0].tolist(), depth, cum_top1, state)
+    if controller.reads_tokens:
+        controller.see_token(int(token))
+    start = time.perf_counter()
+    action = controller.decide(record)
+    return action, record, time.perf_counter() - start
 
 
 @dataclass

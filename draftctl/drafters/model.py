@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.cached_lm import CachedLM
-from draftctl.decode.features import SequenceState, distribution_stats, make_record
+from draftctl.decode.features import SequenceState, distribution_stats
 from draftctl.decode.verify import SamplingConfig
-from draftctl.drafters.base import Draft
+from draftctl.drafters.base import Draft, ask_controller
 
 
 class ModelDrafter:
@@ -58,12 +56,9 @@ class ModelDrafter:
                 q = self.sampling.probs(logits)
                 token = torch.multinomial(q, 1, generator=generator)[0]
             if controller.reads_features:
-                record = make_record(stat[0].tolist(), i + 1, cum_top1, state)
-                if controller.reads_tokens:
-                    controller.see_token(int(token))
-                start = time.perf_counter()
-                action = controller.decide(record)
-                controller_s += time.perf_counter() - start
+                action, record, seconds = ask_controller(controller, stat, i + 1, cum_top1,
+                                                         state, token)
+                controller_s += seconds
                 calls += 1
                 if action is Action.DISCARD:
                     discarded = 1
