@@ -34,6 +34,7 @@ import re
 import sysconfig
 import textwrap
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -188,7 +189,7 @@ def generation_requests(seeds: dict, cfg: PoolConfig, rng: random.Random) -> lis
     return [r | {"id": i} for i, r in enumerate(requests)]
 
 
-_LABEL = re.compile(r"^\s*(question|request|prompt|user|task|q)\s*[:.)-]\s*", re.I)
+_LABEL = re.compile(r"^\s*(question|request|prompt|user|task|q)\s*[:.)-]\s*", re.IGNORECASE)
 
 
 def clean_request(text: str) -> str | None:
@@ -199,7 +200,7 @@ def clean_request(text: str) -> str | None:
     words = text.split()
     if not 4 <= len(words) <= 80 or len(text) > 600:
         return None
-    if re.search(r"\b(as an ai|i'm sorry|i cannot|i can't)\b", text, re.I):
+    if re.search(r"\b(as an ai|i'm sorry|i cannot|i can't)\b", text, re.IGNORECASE):
         return None
     return text
 
@@ -297,10 +298,7 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
              for i, c in enumerate(kept)]
     pool_path = out / "pool.jsonl"
     pool_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    counts: dict[str, dict[str, int]] = {"source": {}, "category": {}}
-    for c in kept:
-        for key in counts:
-            counts[key][c[key]] = counts[key].get(c[key], 0) + 1
+    counts = {key: dict(Counter(c[key] for c in kept)) for key in ("source", "category")}
     manifest = {
         "prompts": len(kept), "candidates": len(candidates),
         "rejected_generations": rejected, "near_duplicates": int(dup.sum()),
