@@ -1,10 +1,12 @@
 """Bit-exactness of greedy speculative decoding: every controller's output against plain
 decoding, token for token, in float32 and bfloat16.
 
-For each dtype the target runs at the fixed pass shape the calibrated profile chose for that
-dtype (``by_dtype[...]["rows"]``); every prompt is decoded plainly and by every controller, and
-any output that differs counts as a mismatch (goal: 0). The same is then done with unpadded
-passes (``--free-prompts`` prompts, pass shape ``free``), to show what the fixed shape buys.
+For each dtype the target runs at each bit-exact pass shape: the fixed shape the calibrated
+profile chose for that dtype (``by_dtype[...]["rows"]``) and, where the CPU has its kernels,
+the exact shape (row-invariant kernels); every prompt is decoded plainly and by every
+controller, and any output that differs counts as a mismatch (goal: 0). The same is then done
+with unpadded passes (``--free-prompts`` prompts, pass shape ``free``), to show what the exact
+shapes buy.
 No timing: only outputs are compared. Prints and writes JSON.
 
     python benchmarks/exactness.py [--prompts PATH] [--limit 54] [--max-new-tokens 64]
@@ -21,7 +23,7 @@ from tqdm import tqdm
 
 from draftctl.controllers import expand_specs, make_controller
 from draftctl.controllers.rules import ReferenceOracle
-from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
+from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate, kernels
 from draftctl.decode.cached_lm import PassShape
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import candidate_dtypes, settle
@@ -55,6 +57,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="dtypes this CPU does not compute natively are reported as skipped")
+    parser.add_argument("--shapes", default="fixed,exact",
+                        help="bit-exact shapes to check on every prompt (exact: where supported)")
     parser.add_argument("--free-prompts", type=int, default=12,
                         help="prompts decoded with unpadded passes too (0: skip)")
     parser.add_argument("--out", default="benchmarks/results/exactness.json")
@@ -76,8 +80,16 @@ def main() -> None:
         draft = load_model(draft_spec, "cpu", dtype, target=target)
         encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
         rows = profile["target"]["by_dtype"][dtype]["rows"]
-        for shape, subset in ((PassShape(fixed=rows), encoded),
-                              (PassShape(), encoded[:args.free_prompts])):
+        runs = []
+        if "fixed" in args.shapes.split(","):
+            runs.append((PassShape(fixed=rows), encoded))
+        if "exact" in args.shapes.split(","):
+            reason = kernels.supported(target.model)
+            if reason:
+                report.setdefault("skipped", {})[f"{dtype} exact"] = reason
+            else:
+                runs.append((PassShape(row_invariant=True), encoded))
+        for shape, subset in (*runs, (PassShape(), encoded[:args.free_prompts])):
             if not subset:
                 continue
             config = DecodeConfig(max_new_tokens=args.max_new_tokens, pass_shape=shape)

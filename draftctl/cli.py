@@ -163,7 +163,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     print("\nmodelled speedup over the fastest plain decoding, by per-token acceptance:")
     for row in sensitivity(profile):
         print(f"  {row['acceptance']:.1f}: {row['speedup_vs_fastest_plain']:.2f}x with "
-              f"{row['dtype']}, fixed:{row['rows']}, static:{row['static_k']}")
+              f"{row['dtype']}, {row['pass_shape']}, static:{row['static_k']}")
     print(f"\nprofile: {path}")
     return 0
 
@@ -243,9 +243,10 @@ def _decoding_flags(parser: argparse.ArgumentParser, max_draft: bool = True,
     if dtype:
         parser.add_argument("--dtype", help="auto (default: each model's calibrated dtype, "
                                             "from the profile), float32, bfloat16, ...")
-    parser.add_argument("--pass-shape", help="auto (default: every target pass padded to the "
-                                             "profile's M rows, bit-exact), fixed:M, or the "
-                                             "faster, not bit-exact cheapest / free")
+    parser.add_argument("--pass-shape", help="auto (default: the profile's bit-exact shape), "
+                                             "exact (row-invariant kernels, CPU), fixed:M "
+                                             "(every pass padded to M rows), or the not "
+                                             "bit-exact cheapest / free")
     parser.add_argument("--profile", help="a calibrated profile (default: this pair's, made by "
                                           "draftctl calibrate, or measured on first use)")
 

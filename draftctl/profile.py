@@ -6,8 +6,10 @@ the target's pass time for n = 1..N new tokens and the draft's one-token step, f
 candidate dtype. From these curves it chooses:
 
 - the draft's dtype: the cheapest step (it does not change what the target outputs);
-- per target dtype, the fixed pass shape M: the one under which speculative decoding runs
-  fastest, modelled with an i.i.d. per-token acceptance ``acceptance`` and the best static K;
+- per target dtype, the pass shape: the fixed shape M under which speculative decoding runs
+  fastest, modelled with an i.i.d. per-token acceptance ``acceptance`` and the best static K,
+  or the exact shape (row-invariant kernels, CPU) where it is checked exact here and models at
+  least as fast (within ``TIE_TOLERANCE``: it also spares plain decoding the padding);
 - the target's dtype: the one whose best M gives the fastest modelled decoding.
 
 A profile is a JSON file, saved under ``profile_dir()`` keyed by the model pair, device and
@@ -30,7 +32,8 @@ from pathlib import Path
 import torch
 
 from draftctl.console import notice
-from draftctl.decode.cached_lm import CachedLM, PassShape, rows_are_exact
+from draftctl.decode import kernels
+from draftctl.decode.cached_lm import CachedLM, PassShape, shape_is_exact
 from draftctl.decode.features import SequenceState
 from draftctl.decode.loop import synchronize
 from draftctl.decode.verify import SamplingConfig
@@ -151,8 +154,43 @@ def choose_rows(t_ms: dict[int, float], t_draft: float, alpha: float,
     return next((r for r in ranked if r[0] not in inexact), ranked[0])
 
 
+EXACT = PassShape(row_invariant=True)
+
+
+def choose_shape(t_ms: dict[int, float], t_draft: float, alpha: float,
+                 inexact: frozenset[int] = frozenset(),
+                 exact_curve: dict[int, float] | None = None) -> tuple[str, int, float]:
+    """(pass shape, K, tokens per ms): the best fixed shape (``choose_rows``), or the exact
+    shape when its curve is given (measured and checked exact) and models within
+    ``TIE_TOLERANCE`` of it or faster."""
+    rows, k, rate = choose_rows(t_ms, t_draft, alpha, inexact)
+    if exact_curve:
+        k_exact, rate_exact = best_static(exact_curve, EXACT, t_draft, alpha,
+                                          max(exact_curve) - 1)
+        if rate_exact >= rate * (1 - TIE_TOLERANCE):
+            return "exact", k_exact, rate_exact
+    return f"fixed:{rows}", k, rate
+
+
 def _inexact(entry: dict) -> frozenset[int]:
     return frozenset(int(m) for m, ok in entry.get("rows_checked", {}).items() if not ok)
+
+
+def _exact_curve(entry: dict) -> dict[int, float] | None:
+    """The exact shape's curve, where it was measured and checked exact."""
+    shape = entry.get("exact_shape")
+    return curve(shape) if shape and shape["exact"] else None
+
+
+def shape_curve(entry: dict, shape: PassShape) -> dict[int, float]:
+    """The raw pass times a target dtype's entry gives for ``shape``: the exact shape runs
+    other kernels, with a curve of its own."""
+    if not shape.row_invariant:
+        return curve(entry)
+    if not entry.get("exact_shape"):
+        raise ProfileError("the profile has no curve for the exact pass shape (measured only "
+                           "where the CPU supports it): run draftctl calibrate, or use fixed:M")
+    return curve(entry["exact_shape"])
 
 
 def cheapest_pad(t_ms: dict[int, float]) -> dict[int, int]:
@@ -184,7 +222,7 @@ def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
     device = resolve_device(cfg.device)
     dtypes = candidate_dtypes(device, cfg.dtypes)
     draft_spec = None if cfg.draft == "none" else cfg.draft or default_draft(cfg.target)
-    every, lms = {}, {}
+    every, lms, checks = {}, {}, {}
     for dtype in dtypes:
         target = load_model(cfg.target, device, dtype)
         vocab = len(target.tokenizer)
@@ -194,8 +232,14 @@ def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
         lm = CachedLM(target.model, vocab)
         lm.prefill(context)
         lms[dtype] = lm
+        checks[dtype] = torch.tensor(_context_ids(target.tokenizer, 64), device=device)
         for n in range(1, cfg.max_n + 1):
             every["target", dtype, n] = _target_pass(lm, fresh[:n], cfg.context)
+        if kernels.supported(target.model) is None:
+            exact_lm = CachedLM(target.model, vocab, EXACT)
+            exact_lm.prefill(context)
+            for n in range(1, cfg.max_n + 1):
+                every["exact", dtype, n] = _target_pass(exact_lm, fresh[:n], cfg.context)
         if draft_spec:
             draft = load_model(draft_spec, device, dtype, target=target)
             every["draft", dtype, 1] = _draft_step(model_drafter(draft, vocab, SamplingConfig()),
@@ -233,9 +277,12 @@ def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
             "target", dtype][1]
         exact[dtype] = {}
         for rows, _, _ in rank_rows(curves["target", dtype], t_draft, cfg.acceptance):
-            exact[dtype][rows] = rows_are_exact(lm.model, lm.vocab_size, rows, context[:64])
+            exact[dtype][rows] = shape_is_exact(lm.model, lm.vocab_size, PassShape(fixed=rows),
+                                                checks[dtype])
             if exact[dtype][rows]:
                 break
+        if ("exact", dtype) in curves:
+            exact[dtype]["exact"] = shape_is_exact(lm.model, lm.vocab_size, EXACT, checks[dtype])
     return {"device": device, "draft_spec": draft_spec, "curves": curves, "dtypes": dtypes,
             "exact": exact}
 
@@ -284,29 +331,42 @@ def build_profile(cfg: CalibrateConfig, measured: dict) -> dict:
     for dtype in dtypes:
         t_ms = curves["target", dtype]
         td = t_draft if draft_spec else 0.1 * t_ms[1]
-        exact = measured["exact"][dtype]
-        rows, k, rate = choose_rows(t_ms, td, cfg.acceptance,
-                                    frozenset(m for m, ok in exact.items() if not ok))
-        by_dtype[dtype] = {"t_ms": _keyed(t_ms), "rows": rows, "exact": exact.get(rows, False),
-                           "rows_checked": {str(m): ok for m, ok in exact.items()},
-                           "static_k": k,
-                           "modelled_tokens_per_s": round(1e3 * rate, 2),
-                           "plain_fixed_tokens_per_s": round(1e3 / t_ms[rows], 2),
-                           "plain_free_tokens_per_s": round(1e3 / t_ms[1], 2)}
+        checked = measured["exact"][dtype]
+        fixed = {m: ok for m, ok in checked.items() if m != "exact"}
+        entry = {"t_ms": _keyed(t_ms)}
+        if ("exact", dtype) in curves:
+            entry["exact_shape"] = {"t_ms": _keyed(curves["exact", dtype]),
+                                    "exact": checked["exact"],
+                                    "plain_tokens_per_s": round(1e3 / curves["exact", dtype][1],
+                                                                2)}
+        shape, k, rate = choose_shape(t_ms, td, cfg.acceptance,
+                                      frozenset(m for m, ok in fixed.items() if not ok),
+                                      _exact_curve(entry))
+        rows = choose_rows(t_ms, td, cfg.acceptance,
+                           frozenset(m for m, ok in fixed.items() if not ok))[0]
+        by_dtype[dtype] = entry | {
+            "pass_shape": shape, "rows": rows,
+            "exact": checked["exact"] if shape == "exact" else fixed.get(rows, False),
+            "rows_checked": {str(m): ok for m, ok in fixed.items()},
+            "static_k": k,
+            "modelled_tokens_per_s": round(1e3 * rate, 2),
+            "plain_fixed_tokens_per_s": round(1e3 / t_ms[rows], 2),
+            "plain_free_tokens_per_s": round(1e3 / t_ms[1], 2)}
     target_dtype = max(dtypes, key=lambda d: by_dtype[d]["modelled_tokens_per_s"])
     fastest = min(dtypes, key=lambda d: curves["target", d][1])
     chosen = by_dtype[target_dtype]
-    rows = chosen["rows"]
+    shape = PassShape.parse(chosen["pass_shape"])
     return {
         "format": FORMAT,
         "target": {"spec": cfg.target, "sha256": model_file_sha256(cfg.target),
-                   "dtype": target_dtype, "t_ms": chosen["t_ms"], "by_dtype": by_dtype},
+                   "dtype": target_dtype, "t_ms": _keyed(shape_curve(chosen, shape)),
+                   "by_dtype": by_dtype},
         "draft": None if not draft_spec else {
             "spec": draft_spec, "sha256": model_file_sha256(draft_spec), "dtype": draft_dtype,
             "t_ms": _keyed(curves["draft", draft_dtype]),
             "by_dtype": {d: {"t_ms": _keyed(curves["draft", d])} for d in dtypes}},
-        "pass_shape": f"fixed:{rows}",
-        "pad_to": {str(n): PassShape(fixed=rows).rows(n) for n in range(1, cfg.max_n + 1)},
+        "pass_shape": chosen["pass_shape"],
+        "pad_to": {str(n): shape.rows(n) for n in range(1, cfg.max_n + 1)},
         "fastest_plain": {"dtype": fastest, "pass_shape": "free",
                           "t_ms": curves["target", fastest][1]},
         "acceptance": cfg.acceptance, "context": cfg.context, "repeats": cfg.repeats,
@@ -458,12 +518,17 @@ def settle(target: str, draft: str | None, device: str | torch.device = "auto",
         draft_dtype = target_dtype
     entry = data["target"]["by_dtype"][target_dtype]
     if pass_shape == "auto":
-        shape = PassShape(fixed=entry["rows"])
+        shape = PassShape.parse(entry.get("pass_shape", f"fixed:{entry['rows']}"))
     elif pass_shape == "cheapest":
         pad = cheapest_pad(curve(entry))
         shape = PassShape(pad_to=tuple(pad[n] for n in sorted(pad)))
     else:
         shape = PassShape.parse(pass_shape)
+    if shape.row_invariant:
+        shape_curve(entry, shape)  # refuses a profile without the exact shape's curve
+        if not entry["exact_shape"]["exact"]:
+            notice(f"the exact pass shape gave other logits for other splits when {path} was "
+                   "calibrated: greedy SD may differ from plain decoding here (use fixed:M)")
     return Setup(target_dtype, draft_dtype, shape, data, str(path))
 
 
@@ -477,8 +542,12 @@ def format_profile(profile: dict) -> str:
              "over n new tokens"]
     lines.append(f"{'n':<10}" + "".join(f"{n:>7}" for n in ns))
     for dtype in dtypes:
-        t = curve(target["by_dtype"][dtype])
+        entry = target["by_dtype"][dtype]
+        t = curve(entry)
         lines.append(f"{dtype:<10}" + "".join(f"{t[n]:>7.1f}" for n in ns))
+        if entry.get("exact_shape"):
+            t = curve(entry["exact_shape"])
+            lines.append(f"{'  exact':<10}" + "".join(f"{t[n]:>7.1f}" for n in ns))
     if profile["draft"]:
         steps = ", ".join(f"{d} {e['t_ms']['1']:.2f} ms"
                           for d, e in profile["draft"]["by_dtype"].items())
@@ -486,9 +555,14 @@ def format_profile(profile: dict) -> str:
     lines.append(f"for per-token acceptance {profile['acceptance']}:")
     for dtype in dtypes:
         e = target["by_dtype"][dtype]
-        lines.append(f"  {dtype:<9} fixed:{e['rows']:<3} static:{e['static_k']:<3} modelled "
-                     f"{e['modelled_tokens_per_s']:.1f} tok/s (plain: {e['plain_fixed_tokens_per_s']:.1f}"
-                     f" at fixed:{e['rows']}, {e['plain_free_tokens_per_s']:.1f} unpadded)")
+        shape = e.get("pass_shape", f"fixed:{e['rows']}")
+        plain = [f"{e['plain_fixed_tokens_per_s']:.1f} at fixed:{e['rows']}"]
+        if e.get("exact_shape"):
+            verdict = "" if e["exact_shape"]["exact"] else ", NOT bit-exact here"
+            plain.append(f"{e['exact_shape']['plain_tokens_per_s']:.1f} exact{verdict}")
+        plain.append(f"{e['plain_free_tokens_per_s']:.1f} unpadded")
+        lines.append(f"  {dtype:<9} {shape:<8} static:{e['static_k']:<3} modelled "
+                     f"{e['modelled_tokens_per_s']:.1f} tok/s (plain: {', '.join(plain)})")
     draft_dtype = profile["draft"]["dtype"] if profile["draft"] else "-"
     lines.append(f"chosen: target {target['dtype']}, draft {draft_dtype}, pass shape "
                  f"{profile['pass_shape']}; fastest plain decoding: "
@@ -507,10 +581,11 @@ def sensitivity(profile: dict, alphas=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> li
         for dtype, entry in profile["target"]["by_dtype"].items():
             t_ms = curve(entry)
             t_draft = curve(draft)[1] if draft else 0.1 * t_ms[1]
-            m, k, rate = choose_rows(t_ms, t_draft, alpha, _inexact(entry))
+            shape, k, rate = choose_shape(t_ms, t_draft, alpha, _inexact(entry),
+                                          _exact_curve(entry))
             if best is None or rate > best["rate"]:
-                best = {"acceptance": alpha, "dtype": dtype, "rows": m, "static_k": k,
-                        "rate": rate}
+                best = {"acceptance": alpha, "dtype": dtype, "pass_shape": shape,
+                        "static_k": k, "rate": rate}
         best["speedup_vs_fastest_plain"] = round(best.pop("rate") * fastest_ms, 3)
         rows.append(best)
     return rows

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from draftctl.controllers import make_controller
-from draftctl.decode import DecodeInputError, generate
-from draftctl.decode.cached_lm import KEY_BLOCK, CachedLM, PassShape, rows_are_exact
+from draftctl.decode import DecodeInputError, generate, kernels
+from draftctl.decode.cached_lm import KEY_BLOCK, CachedLM, PassShape, shape_is_exact
 from tests.conftest import make_decoder, tiny_llama
 
 
@@ -33,7 +33,7 @@ def random_sizes(total: int, largest: int, rng: random.Random) -> list[int]:
 
 def exact_shapes(model, candidates=range(2, 9)) -> list[int]:
     tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
-    return [m for m in candidates if rows_are_exact(model, 97, m, tokens)]
+    return [m for m in candidates if shape_is_exact(model, 97, PassShape(fixed=m), tokens)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -56,6 +56,45 @@ def test_fixed_shape_logits_do_not_depend_on_the_split(dtype):
             assert torch.equal(split_logits(lm, tokens, first, sizes), alone), (rows, sizes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_shape_logits_do_not_depend_on_the_split(dtype):
+    """The exact shape runs every pass at its own size through row-invariant kernels: passes of
+    1 to 2 query blocks + 1 rows, across a key block boundary, give bitwise the logits of
+    one-token passes, while the stock kernels at the same sizes do not (so the check has
+    teeth)."""
+    target = tiny_llama(vocab_size=97, layers=2, hidden=64, context=2048).to(dtype)
+    reason = kernels.supported(target)
+    if reason:
+        pytest.skip(reason)
+    rng = random.Random(0)
+    tokens = [rng.randrange(97) for _ in range(KEY_BLOCK + 150)]
+    first = KEY_BLOCK - 150
+    lm = CachedLM(target, 97, PassShape(row_invariant=True))
+    alone = split_logits(lm, tokens, first, [1] * (len(tokens) - first))
+    for _ in range(3):
+        sizes = random_sizes(len(tokens) - first, 2 * kernels.QUERY_BLOCK + 1, rng)
+        assert torch.equal(split_logits(lm, tokens, first, sizes), alone), sizes
+    stock = CachedLM(target, 97, PassShape())
+    assert not torch.equal(split_logits(stock, tokens, first, sizes), split_logits(
+        stock, tokens, first, [1] * (len(tokens) - first)))
+
+
+def test_the_row_invariant_view_shares_weights_and_leaves_the_model_alone(tiny_models):
+    target, _ = tiny_models
+    if kernels.supported(target):
+        pytest.skip(kernels.supported(target))
+    view = CachedLM(target, 97, PassShape(row_invariant=True)).model
+    assert view is not target and kernels.row_invariant_view(target) is view  # made once
+    assert view.lm_head.weight is target.lm_head.weight
+    assert target.config._attn_implementation == "sdpa"
+    assert isinstance(target.lm_head, torch.nn.Linear)
+    assert isinstance(view.lm_head, kernels.PackedLinear)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(view.lm_head(target.model.embed_tokens(ids)),
+                                   target.lm_head(target.model.embed_tokens(ids)))
+
+
 def test_every_pass_after_the_prompt_runs_at_the_fixed_rows(tiny_models):
     target, draft = tiny_models
     decoder = make_decoder(target, draft, max_new_tokens=30, pass_shape=PassShape(fixed=5))
@@ -72,14 +111,20 @@ def test_every_pass_after_the_prompt_runs_at_the_fixed_rows(tiny_models):
     assert result.target_forwards == len(rows)
 
 
+@pytest.mark.parametrize("kind", ["fixed", "exact"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_sd_equals_plain_decoding_bitwise_in_both_dtypes(dtype):
+def test_greedy_sd_equals_plain_decoding_bitwise_in_both_dtypes(dtype, kind):
     target = tiny_llama(vocab_size=97, layers=2, hidden=64).to(dtype)
     draft = tiny_llama(vocab_size=97, layers=1, hidden=32, seed=3).to(dtype)
     with torch.no_grad():  # a draft that often agrees: the target's own head on its embedding
         draft.lm_head.weight.copy_(target.lm_head.weight[:, :32])
-    rows = exact_shapes(target)[-1]
-    decoder = make_decoder(target, draft, max_new_tokens=48, pass_shape=PassShape(fixed=rows))
+    if kind == "exact":
+        if kernels.supported(target):
+            pytest.skip(kernels.supported(target))
+        shape = PassShape(row_invariant=True)
+    else:
+        shape = PassShape(fixed=exact_shapes(target)[-1])
+    decoder = make_decoder(target, draft, max_new_tokens=48, pass_shape=shape)
     for prompt in ([5, 6, 7, 8, 9], [1], list(range(30, 90))):
         plain = generate(decoder, prompt, make_controller("none")).output_ids
         for spec in ("static:1", "static:3", "static:9", "svip:0.5", "heuristic"):
@@ -116,6 +161,11 @@ def test_masked_forward_runs_branches_like_separate_sequences(tiny_models):
 def test_pass_shapes_parse_and_refuse_bad_specs():
     assert PassShape.parse("fixed:8") == PassShape(fixed=8)
     assert PassShape.parse("free") == PassShape()
+    exact = PassShape.parse("exact")
+    assert exact.exact and exact.rows(9) == 9 and exact.chunks(20) == [(0, 20)]
+    assert exact.describe() == "exact"
+    with pytest.raises(DecodeInputError, match="takes no fixed rows or padding"):
+        PassShape(fixed=4, row_invariant=True)
     assert PassShape(fixed=4).rows(9) == 12 and PassShape(fixed=4).exact
     assert PassShape(pad_to=(1, 4, 4, 4)).rows(2) == 4 and not PassShape(pad_to=(1, 4)).exact
     for bad in ("fixed:0", "fixed", "fixed:x", "wide"):

@@ -16,6 +16,7 @@ from draftctl.profile import (
     candidate_dtypes,
     cheapest_pad,
     choose_rows,
+    choose_shape,
     pass_time,
     rank_rows,
     settle,
@@ -44,12 +45,16 @@ def test_calibrate_writes_a_profile_covering_every_pass_size(tiny_profile):
         assert sorted(map(int, entry["t_ms"])) == list(range(1, 7)), dtype
         assert all(t > 0 for t in entry["t_ms"].values())
         assert 2 <= entry["rows"] <= 6 and entry["rows_checked"][str(entry["rows"])] is True
-        assert 0 <= entry["static_k"] < entry["rows"]
-    assert profile["target"]["t_ms"] == profile["target"]["by_dtype"][
-        profile["target"]["dtype"]]["t_ms"]
-    rows = profile["target"]["by_dtype"][profile["target"]["dtype"]]["rows"]
-    assert profile["pass_shape"] == f"fixed:{rows}"
-    assert profile["pad_to"] == {str(n): -(-n // rows) * rows for n in range(1, 7)}
+        exact = entry["exact_shape"]  # CPU: the row-invariant kernels are measured and checked
+        assert sorted(map(int, exact["t_ms"])) == list(range(1, 7)) and exact["exact"] is True
+        assert entry["pass_shape"] in ("exact", f"fixed:{entry['rows']}")
+        assert 0 <= entry["static_k"] < (6 if entry["pass_shape"] == "exact" else entry["rows"])
+    chosen = profile["target"]["by_dtype"][profile["target"]["dtype"]]
+    assert profile["pass_shape"] == chosen["pass_shape"]
+    shape = PassShape.parse(chosen["pass_shape"])
+    assert profile["target"]["t_ms"] == (chosen["exact_shape"] if shape.row_invariant
+                                         else chosen)["t_ms"]
+    assert profile["pad_to"] == {str(n): shape.rows(n) for n in range(1, 7)}
     assert set(profile["draft"]["by_dtype"]) == set(dtypes) and profile["draft"]["t_ms"]["1"] > 0
     assert profile["fastest_plain"]["dtype"] in dtypes
     assert {"device", "threads", "torch"} <= set(profile)
@@ -76,6 +81,13 @@ def test_settle_uses_the_profile_and_refuses_one_made_for_other_models(tiny_prof
     with pytest.raises(ProfileError, match="is not a draftctl profile"):
         settle(target, draft, "cpu", profile=str(tmp_path / "junk.json"))
     assert settle(target, draft, "cpu", dtype="float32", pass_shape="free").profile is None
+    assert settle(target, draft, "cpu", pass_shape="exact", profile=str(path)).shape.exact
+    old = json.loads(path.read_text())  # a profile from before the exact shape
+    for entry in old["target"]["by_dtype"].values():
+        del entry["exact_shape"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ProfileError, match="no curve for the exact pass shape"):
+        settle(target, draft, "cpu", pass_shape="exact", profile=str(tmp_path / "old.json"))
 
 
 def test_calibrate_cli_prints_the_curve_and_the_choice(tiny_profile, tmp_path, capsys):
@@ -109,6 +121,12 @@ def test_choices_follow_the_cost_curve():
     assert choose_rows(noisy, 10.0, 0.6)[0] == 4
     assert pass_time(flat, PassShape(fixed=4), 9) == pytest.approx(3 * flat[4])
     assert pass_time(flat, PassShape(), 20) == pytest.approx(flat[16] + 4 * 0.1)
+    fixed_rows = choose_rows(steep, 1.0, 0.6)[0]
+    assert choose_shape(steep, 1.0, 0.6)[0] == f"fixed:{fixed_rows}"  # no exact curve
+    cheap = {n: 0.9 * t for n, t in steep.items()}  # row-invariant kernels, unpadded, faster
+    assert choose_shape(steep, 1.0, 0.6, exact_curve=cheap)[0] == "exact"
+    dear = {n: 1.5 * t for n, t in steep.items()}
+    assert choose_shape(steep, 1.0, 0.6, exact_curve=dear)[0] == f"fixed:{fixed_rows}"
     dip = {1: 5.0, 2: 9.0, 3: 9.0, 4: 6.0, 5: 7.0}
     assert cheapest_pad(dip) == {1: 1, 2: 4, 3: 4, 4: 4, 5: 5}
     cost = CostModel(0.001, tuple(v / 1e3 for v in flat.values()), shape=PassShape(fixed=4))

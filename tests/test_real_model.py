@@ -8,7 +8,8 @@ import torch
 from draftctl.cli import main
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
-from draftctl.decode.cached_lm import CachedLM, PassShape, rows_are_exact
+from draftctl.decode import kernels
+from draftctl.decode.cached_lm import CachedLM, PassShape, shape_is_exact
 from draftctl.distill.model import DraftLM
 from draftctl.distill.feature import from_target
 from draftctl.models import (
@@ -40,20 +41,35 @@ def real_pair(request, smollm2):
 def exact_rows(target: LoadedModel, candidates=(8, 4)) -> int:
     """A fixed pass shape that is exact for this model and dtype on this machine."""
     ids = torch.tensor(encode_prompt(target.tokenizer, "Count from one to twenty in words."))
-    return next(m for m in candidates if rows_are_exact(target.model, len(target.tokenizer),
-                                                         m, ids))
+    return next(m for m in candidates if shape_is_exact(target.model, len(target.tokenizer),
+                                                         PassShape(fixed=m), ids))
 
 
-def test_a_tokens_logits_do_not_depend_on_its_pass(real_pair):
-    """With a fixed pass shape, a token verified alone and one verified in a block of drafts
-    (or in a chunk of a longer one) get bitwise the same logits, in either dtype."""
+def exact_shape(target: LoadedModel, kind: str) -> PassShape:
+    """``fixed``: an exact fixed shape; ``exact``: the row-invariant kernels' shape (skipped,
+    with the reason, where this CPU lacks them for the dtype)."""
+    if kind == "fixed":
+        return PassShape(fixed=exact_rows(target))
+    reason = kernels.supported(target.model)
+    if reason:
+        pytest.skip(reason)
+    return PassShape(row_invariant=True)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "exact"])
+def test_a_tokens_logits_do_not_depend_on_its_pass(real_pair, kind):
+    """With a fixed or the exact pass shape, a token verified alone and one verified in a
+    block of drafts (or in a chunk of a longer one) get bitwise the same logits, in either
+    dtype."""
     target, _ = real_pair
-    rows = exact_rows(target)
-    lm = CachedLM(target.model, len(target.tokenizer), PassShape(fixed=rows))
+    shape = exact_shape(target, kind)
+    rows = shape.fixed or 8
+    lm = CachedLM(target.model, len(target.tokenizer), shape)
     ids = torch.tensor(encode_prompt(target.tokenizer, load_prompts(split="test")[0].text))
-    prompt, fed = ids[:-14], ids[-14:]
+    prompt, fed = ids[:-20], ids[-20:]
     results = []
-    for sizes in ([1] * 14, [rows] * (14 // rows) + [14 % rows], [3, rows + 1, 10 - rows]):
+    for sizes in ([1] * 20, [rows] * (20 // rows) + [20 % rows], [3, rows + 1, 16 - rows],
+                  [17, 3]):
         lm.reset()
         lm.prefill(prompt)
         at, out = 0, []
@@ -80,10 +96,12 @@ def test_plain_decoding_equals_hf_generate(smollm2):
     assert ours == hf[0, len(ids):].tolist()
 
 
-def test_greedy_speculative_decoding_is_lossless_on_the_real_model(real_pair):
-    """Bit-exact in float32 and bfloat16: every controller's output is plain decoding's."""
+@pytest.mark.parametrize("kind", ["fixed", "exact"])
+def test_greedy_speculative_decoding_is_lossless_on_the_real_model(real_pair, kind):
+    """Bit-exact in float32 and bfloat16, at a fixed and at the exact pass shape: every
+    controller's output is plain decoding's."""
     target, draft = real_pair
-    config = DecodeConfig(max_new_tokens=24, pass_shape=PassShape(fixed=exact_rows(target)))
+    config = DecodeConfig(max_new_tokens=24, pass_shape=exact_shape(target, kind))
     decoder = SpeculativeDecoder.from_loaded(target, draft, config)
     prompts = load_prompts(split="test", limit=3)
     accepted = drafted = 0

@@ -15,10 +15,12 @@ passes:
   With whole blocks only, every pass runs the same kernels in the same order. Lengths that
   still take another path on some machine are found once per attention geometry by probing
   the kernel (``inexact_key_lengths``), and padding skips them;
-- with a fixed pass shape (``PassShape.fixed``) every pass after the prompt runs at exactly M
-  rows: shorter inputs are padded (the padding's outputs and cache entries are dropped), longer
-  ones go in chunks of M. Row r of a matmul then computes what it would compute at any other
-  row, in any other pass of M rows.
+- the rows, in one of two ways. With a fixed pass shape (``fixed:M``) every pass after the
+  prompt runs at exactly M rows: shorter inputs are padded (the padding's outputs and cache
+  entries are dropped), longer ones go in chunks of M. Row r of a matmul then computes what it
+  would compute at any other row, in any other pass of M rows. With the exact shape
+  (``exact``, CPU) passes run at their own size through kernels whose rows do not depend on
+  the row count (``draftctl.decode.kernels``), which spares plain decoding the padding.
 
 With both, a token's logits depend only on the tokens before it, which makes greedy SD equal
 plain decoding bit for bit, in any dtype (``tests/test_cached_lm.py``).
@@ -34,6 +36,7 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from draftctl.decode.kernels import ATTENTION, QUERY_BLOCK, row_invariant_view
 from draftctl.errors import DecodeInputError
 
 KEY_BLOCK = 512  # keys per pass padded to a multiple of this: the CPU attention's block size
@@ -47,16 +50,22 @@ class PassShape:
     fixed > 0: exactly ``fixed`` rows, longer inputs in chunks: a token's logits do not depend
         on how tokens were split into passes, so greedy SD is bit-exact (the default for the
         target, with M from the calibrated profile).
-    fixed == 0: ``pad_to[n - 1]`` rows when given (e.g. the cheapest m >= n on the measured
+    row_invariant: n rows, through row-invariant kernels (``draftctl.decode.kernels``, CPU):
+        bit-exact where ``calibrate`` checked it, and without the padding's cost.
+    otherwise: ``pad_to[n - 1]`` rows when given (e.g. the cheapest m >= n on the measured
         cost curve), else n rows. Faster on some machines, but not bit-exact: opt-in.
     """
 
     fixed: int = 0
     pad_to: tuple[int, ...] = ()
+    row_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.fixed < 0 or self.fixed == 1:
             raise DecodeInputError(f"a fixed pass shape needs M >= 2 rows, got {self.fixed}")
+        if self.row_invariant and (self.fixed or self.pad_to):
+            raise DecodeInputError("the exact pass shape runs every pass at its own size: it "
+                                   "takes no fixed rows or padding")
         bad = [(n, m) for n, m in enumerate(self.pad_to, 1) if m < n]
         if bad:
             raise DecodeInputError(f"pad_to maps {bad[0][0]} tokens to {bad[0][1]} rows: a pass "
@@ -64,19 +73,21 @@ class PassShape:
 
     @classmethod
     def parse(cls, spec: str) -> PassShape:
-        """``fixed:M`` or ``free``; ``auto`` and ``cheapest`` need a profile (see
+        """``fixed:M``, ``exact`` or ``free``; ``auto`` and ``cheapest`` need a profile (see
         ``draftctl.profile.settle``)."""
         if spec == "free":
             return cls()
+        if spec == "exact":
+            return cls(row_invariant=True)
         name, _, value = spec.partition(":")
         if name == "fixed" and value.isdigit() and int(value) >= 2:
             return cls(fixed=int(value))
-        raise DecodeInputError(f"unknown pass shape {spec!r}: use auto, fixed:M (M >= 2), "
-                               "cheapest or free")
+        raise DecodeInputError(f"unknown pass shape {spec!r}: use auto, exact, fixed:M "
+                               "(M >= 2), cheapest or free")
 
     @property
     def exact(self) -> bool:
-        return self.fixed > 0
+        return self.fixed > 0 or self.row_invariant
 
     def rows(self, n: int) -> int:
         """Rows actually computed for ``n`` new tokens (all chunks together)."""
@@ -93,6 +104,8 @@ class PassShape:
     def describe(self) -> str:
         if self.fixed:
             return f"fixed:{self.fixed}"
+        if self.row_invariant:
+            return "exact"
         return "cheapest" if self.pad_to else "free"
 
 
@@ -221,14 +234,15 @@ class CachedLM:
     Invariant: the cache holds the keys and values of the first ``len(self)`` tokens of the
     sequence being decoded. Rolling back rejected draft tokens is ``truncate(length)``.
     Logits are cut to ``vocab_size`` (models may pad their output layer past the tokenizer).
-    ``shape`` sets the rows of every pass but ``prefill`` (see the module docstring).
+    ``shape`` sets the rows of every pass but ``prefill`` (see the module docstring); with the
+    exact shape, ``model`` is the target's row-invariant view (the target itself is unchanged).
     ``forwards`` counts model calls, so a chunked pass counts once per chunk.
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, shape: PassShape | None = None):
-        self.model = model
-        self.vocab_size = vocab_size
         self.shape = shape or PassShape()
+        self.model = row_invariant_view(model) if self.shape.row_invariant else model
+        self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
         self.forwards = 0
         self.avoid = self._inexact_lengths() if self.shape.exact else frozenset()
@@ -236,12 +250,13 @@ class CachedLM:
 
     def _inexact_lengths(self) -> frozenset[int]:
         config = self.model.config
-        if config._attn_implementation != "sdpa":
+        if config._attn_implementation not in ("sdpa", ATTENTION):
             return frozenset()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         longest = min(int(getattr(config, "max_position_embeddings", 4096)), 8192)
-        return inexact_key_lengths(heads, head_dim, self.shape.fixed,
+        rows = QUERY_BLOCK if self.shape.row_invariant else self.shape.fixed
+        return inexact_key_lengths(heads, head_dim, rows,
                                    next(self.model.parameters()).dtype, str(self.device),
                                    longest + 2 * KEY_BLOCK)
 
@@ -370,7 +385,7 @@ class CachedLM:
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """(rows, keys) bool -> the 4-D mask the model's attention takes."""
         mask = allowed[None, None]
-        if self.model.config._attn_implementation == "sdpa":
+        if self.model.config._attn_implementation in ("sdpa", ATTENTION):
             return mask
         dtype = next(self.model.parameters()).dtype  # eager: additive float mask
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
@@ -396,24 +411,39 @@ class CachedLM:
             self._set_length(length)
 
 
+def exactness_splits(shape: PassShape) -> list[list[int]]:
+    """The ways ``shape_is_exact`` feeds the same tokens: for ``fixed:M``, shifted by one row
+    and by half a pass; for ``exact``, one pass, one token a pass, and mixed sizes on both sides
+    of the attention's query block."""
+    if shape.fixed:
+        rows = shape.fixed
+        return [[rows, rows], [1, rows, rows - 1], [rows // 2, rows, rows - rows // 2]]
+    if shape.row_invariant:
+        n = QUERY_BLOCK + 4
+        return [[n], [1] * n, [3, 5, 8, n - 16], [QUERY_BLOCK, 1, n - QUERY_BLOCK - 1],
+                [2, n - 3, 1]]
+    raise ValueError(f"the {shape.describe()} pass shape is not meant to be exact")
+
+
 @torch.inference_mode()
-def rows_are_exact(model: torch.nn.Module, vocab_size: int, rows: int,
+def shape_is_exact(model: torch.nn.Module, vocab_size: int, shape: PassShape,
                    tokens: torch.Tensor) -> bool:
-    """Whether, on this machine, passes of ``rows`` rows give every token the same logits
-    whatever its row in the pass.
+    """Whether, on this machine, ``shape`` gives every token the same logits however the tokens
+    are split into passes.
 
     Matmul kernels differ: MKL's float32 path on this project's CPU computes the last rows of
-    a 5- to 7-row product with another kernel than the first four, so there a shape of 6 is
-    not exact while 4 and 8 are. tokens: at least ``2 * rows + 1`` ids; after a prefill of all
-    but the last ``2 * rows``, those are fed in three splits (shifted by one row and by half a
-    pass) and their logits compared. (Key lengths are checked by ``inexact_key_lengths``.)
+    a 5- to 7-row product with another kernel than the first four, so there ``fixed:6`` is not
+    exact while 4 and 8 are; the exact shape's kernels may not be row-invariant on every CPU.
+    tokens: a prompt, then the tokens fed after it in each of ``exactness_splits(shape)``,
+    whose logits are compared. (Key lengths are checked by ``inexact_key_lengths``.)
     """
-    context = len(tokens) - 2 * rows
+    splits = exactness_splits(shape)
+    context = len(tokens) - sum(splits[0])
     if context < 1:
-        raise ValueError(f"the check needs {2 * rows + 1} tokens, got {len(tokens)}")
-    lm = CachedLM(model, vocab_size, PassShape(fixed=rows))
+        raise ValueError(f"the check needs {sum(splits[0]) + 1} tokens, got {len(tokens)}")
+    lm = CachedLM(model, vocab_size, shape)
     results = []
-    for sizes in ([rows, rows], [1, rows, rows - 1], [rows // 2, rows, rows - rows // 2]):
+    for sizes in splits:
         lm.reset()
         lm.prefill(tokens[:context])
         at, out = context, []

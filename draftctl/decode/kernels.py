@@ -1,0 +1,126 @@
+"""Row-invariant kernels: a view of a model in which a token's result does not depend on how
+many tokens its pass has, so that passes of any size are bit-exact without padding rows.
+
+The fixed pass shape (``fixed:M``) gets exactness by running every pass at M rows, which taxes
+plain decoding (measured on an AVX2 CPU in float32: a one-token step at ``fixed:8`` cost twice
+the unpadded step). Two kernels make a row's result depend on the pass's row count, and the
+view replaces both:
+
+- linear layers: MKL's GEMM picks another kernel by row count. The view runs every
+  ``nn.Linear`` through oneDNN's linear with weights packed once at conversion
+  (``torch.ops.mkldnn``), whose rows do not depend on how many rows the product has;
+- attention: one query row takes another path (``pack_gqa``, another SDPA kernel). The view
+  feeds queries in blocks of ``QUERY_BLOCK`` rows, the last block padded by repeating its last
+  row (padding dropped after), so every attention call has the same query count. Keys are
+  padded to whole blocks by ``CachedLM`` as in ``fixed:M``.
+
+Whether this holds on a given machine and dtype is checked, not assumed: ``calibrate`` feeds
+tokens in several splits and offers the ``exact`` pass shape only where every split gave
+bit-identical logits (``draftctl.decode.cached_lm.shape_is_exact``). CPU only.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import weakref
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from draftctl.errors import DecodeInputError
+
+QUERY_BLOCK = 16  # query rows of every attention call in the view
+ATTENTION = "draftctl_query_blocks"  # the view's attention implementation (registered below)
+
+
+def query_block_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
+    """SDPA over the queries in blocks of ``QUERY_BLOCK`` rows (the last padded), under an
+    explicit 4-D mask. Returns (batch, queries, heads, head_dim) as transformers' SDPA does."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        raise DecodeInputError("row-invariant attention needs an explicit 4-D mask (it is fed "
+                               "by draftctl's CachedLM)")
+    n = query.shape[2]
+    outputs = []
+    for first in range(0, n, QUERY_BLOCK):
+        q = query[:, :, first:first + QUERY_BLOCK]
+        mask = attention_mask[:, :, first:first + QUERY_BLOCK]
+        real = q.shape[2]
+        if real < QUERY_BLOCK:
+            q = torch.cat([q, q[:, :, -1:].expand(-1, -1, QUERY_BLOCK - real, -1)], dim=2)
+            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, QUERY_BLOCK - real, -1)],
+                             dim=2)
+        out, _ = sdpa_attention_forward(module, q, key, value, mask, **kwargs)
+        outputs.append(out[:, :real])
+    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0], None
+
+
+AttentionInterface.register(ATTENTION, query_block_attention)
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` computed by oneDNN with its weight packed once. It shares the original
+    parameters (tied weights stay tied); the packed copy is for inference only."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach(), QUERY_BLOCK), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.detach()
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, bias,
+                                               "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def supported(model: nn.Module) -> str | None:
+    """Why this model cannot have a row-invariant view here, or None if it can."""
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"the exact pass shape runs on CPU only (the model is on {param.device.type}); " \
+               "use fixed:M"
+    if not torch.backends.mkldnn.is_available():
+        return "the exact pass shape needs oneDNN (torch.backends.mkldnn), which this torch " \
+               "build lacks; use fixed:M"
+    if param.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bfloat16 oneDNN kernels for the exact pass shape; use fixed:M"
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        return f"the exact pass shape supports float32 and bfloat16, not {param.dtype}"
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
+        return "the exact pass shape needs a model with SDPA attention"
+    return None
+
+
+_VIEWS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def row_invariant_view(model: nn.Module) -> nn.Module:
+    """The model's row-invariant view: its own modules and config, the model's parameters
+    (shared, not copied) plus the packed linear weights. Made once per model; the model itself
+    is left as it was, so plain and padded passes over it keep their speed."""
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION:
+        return model  # already a view
+    view = _VIEWS.get(model)
+    if view is not None:
+        return view
+    reason = supported(model)
+    if reason:
+        raise DecodeInputError(reason)
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    view = copy.deepcopy(model, shared)
+    for module in list(view.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child))
+    view.config._attn_implementation = ATTENTION
+    view.eval()
+    _VIEWS[model] = view
+    return view
