@@ -23,9 +23,9 @@ from tqdm import tqdm
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.decode.tree import accepted_path
+from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.models import DEFAULT_TARGET, encode_prompt, load_model
 from draftctl.prompts import load_prompts
-from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.retrieval import make_retriever
 
 

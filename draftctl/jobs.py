@@ -11,10 +11,10 @@ from tqdm import tqdm
 from draftctl.config import save_config
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodingOptions, GenerationResult, SpeculativeDecoder, generate
+from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
-from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.retrieval import is_retrieval, make_retriever
 
 

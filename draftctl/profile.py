@@ -537,9 +537,9 @@ def format_profile(profile: dict) -> str:
     target = profile["target"]
     dtypes = list(target["by_dtype"])
     ns = sorted(int(n) for n in target["t_ms"])
-    lines = [f"{target['spec']} on {profile['device']} ({profile['device_name']}, "
-             f"{profile['threads']} threads), cache {profile['context']} tokens: ms per pass "
-             "over n new tokens"]
+    lines = [(f"{target['spec']} on {profile['device']} ({profile['device_name']}, "
+              f"{profile['threads']} threads), cache {profile['context']} tokens: ms per pass "
+              "over n new tokens")]
     lines.append(f"{'n':<10}" + "".join(f"{n:>7}" for n in ns))
     for dtype in dtypes:
         entry = target["by_dtype"][dtype]

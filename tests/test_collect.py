@@ -15,9 +15,9 @@ from draftctl.collect.run import CollectConfig, run_collect
 from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
-from draftctl.decode.loop import DEFAULT_ROWS
 from draftctl.decode.cached_lm import CachedLM
 from draftctl.decode.features import SCHEMA_VERSION, distribution_stats
+from draftctl.decode.loop import DEFAULT_ROWS
 from draftctl.errors import DraftctlError
 from draftctl.models import encode_prompt, load_model, perturbed_copy
 from draftctl.prompts import load_prompts

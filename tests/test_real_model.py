@@ -7,11 +7,10 @@ import torch
 
 from draftctl.cli import main
 from draftctl.controllers import make_controller
-from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
-from draftctl.decode import kernels
+from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate, kernels
 from draftctl.decode.cached_lm import CachedLM, PassShape, shape_is_exact
-from draftctl.distill.model import DraftLM
 from draftctl.distill.feature import from_target
+from draftctl.distill.model import DraftLM
 from draftctl.models import (
     BUILTIN_DRAFTS,
     LoadedModel,

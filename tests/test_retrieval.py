@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from draftctl.controllers import Action, Controller, make_controller
-from draftctl.decode import DecodeInputError, generate
+from draftctl.decode import DecodeInputError, SpeculativeDecoder, generate
 from draftctl.decode.features import FeatureRecord, SequenceState
-from draftctl.decode import SpeculativeDecoder
 from draftctl.decode.tree import accepted_path, tree_pattern
 from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.retrieval.datastore import SEPARATOR, Datastore, DatastoreError, write_datastore

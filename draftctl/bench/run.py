@@ -16,11 +16,11 @@ from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode import DecodeConfig, DecodingOptions, SpeculativeDecoder, generate
 from draftctl.decode.loop import GenerationResult
+from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
 from draftctl.prompts import load_prompts
-from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.retrieval import is_retrieval, make_retriever
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")

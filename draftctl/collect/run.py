@@ -25,6 +25,7 @@ from draftctl.decode.features import (
     distribution_stats,
     make_record,
 )
+from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.errors import DraftctlError
 from draftctl.models import (
     DEFAULT_TARGET,
@@ -35,7 +36,6 @@ from draftctl.models import (
 )
 from draftctl.profile import Setup, curve, settle
 from draftctl.prompts import load_prompts
-from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.retrieval import is_retrieval, make_retriever
 
 MODES = ("probe", "policy", "dense")

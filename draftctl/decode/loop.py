@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 import torch
 
 from draftctl.controllers.base import Controller
+from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode.cached_lm import CachedLM, PassShape
 from draftctl.decode.features import FeatureRecord, SequenceState, records_from_stats
-from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
-from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode.tree import verify_tree
+from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
 from draftctl.drafters import Draft, Drafter, model_drafter
-from draftctl.retrieval.features import tried_chain
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel, check_same_vocabulary
+from draftctl.retrieval.features import tried_chain
 
 DEFAULT_ROWS = 4  # the library's fixed pass shape when no profile chose one
 

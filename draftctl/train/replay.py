@@ -38,8 +38,8 @@ import numpy as np
 
 from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import Action, Controller, make_controller
-from draftctl.decode.features import FEATURE_NAMES, FeatureRecord, SequenceState, make_record
 from draftctl.decode.cached_lm import PassShape
+from draftctl.decode.features import FEATURE_NAMES, FeatureRecord, SequenceState, make_record
 from draftctl.profile import curve, pass_time, read_profile
 from draftctl.prompts import task_of
 from draftctl.retrieval.features import accepted_mask, prune, tried_chain
@@ -58,7 +58,7 @@ class CostModel:
     t_draft: float
     t_verify: tuple[float, ...]
     t_controller: float = 0.0
-    shape: PassShape = PassShape()
+    shape: PassShape = field(default_factory=PassShape)
     t_plain: float | None = None
 
     @classmethod
