@@ -20,6 +20,7 @@ from draftctl.decode.features import SCHEMA_VERSION, distribution_stats
 from draftctl.decode.loop import DEFAULT_ROWS
 from draftctl.errors import DraftctlError
 from draftctl.models import encode_prompt, load_model, perturbed_copy
+from draftctl.profile import read_profile
 from draftctl.prompts import load_prompts
 from draftctl.train.replay import replay
 from tests.conftest import make_decoder
@@ -78,6 +79,18 @@ def test_dense_replay_equals_real_runs_exactly(pair, tmp_path):
     assert len(info["cost"]["t_verify_s"]) >= 7 and info["cost"]["t_draft_s"] > 0
     assert info["cost"]["pass_shape"] == f"fixed:{DEFAULT_ROWS}"
     assert info["feature_schema_version"] == SCHEMA_VERSION and info["drafter"] == "model"
+
+
+def test_traces_at_the_exact_shape_carry_its_own_cost_curve(pair, tmp_path):
+    """replay models time with the curve the decoder really had: the exact shape's kernels
+    have a curve of their own in the profile, and that is the one the traces record."""
+    run_collect(config(pair, tmp_path / "exact", mode="probe", limit=2, pass_shape="exact"))
+    cost = json.loads((tmp_path / "exact" / "run.json").read_text())["cost"]
+    entry = read_profile(cost["profile"])["target"]["by_dtype"]["float32"]
+    assert cost["pass_shape"] == "exact" and cost["pad_to"] == list(range(1, 1 + len(
+        cost["t_verify_s"])))
+    assert cost["t_verify_s"] == [t / 1e3 for t in entry["exact_shape"]["t_ms"].values()]
+    assert cost["t_verify_s"] != [t / 1e3 for t in entry["t_ms"].values()]
 
 
 def test_batched_dense_rows_equal_step_by_step_drafting(tiny_models):

@@ -34,7 +34,7 @@ from draftctl.models import (
     load_model,
     model_file_sha256,
 )
-from draftctl.profile import Setup, curve, settle
+from draftctl.profile import Setup, curve, settle, shape_curve
 from draftctl.prompts import load_prompts
 from draftctl.retrieval import is_retrieval, make_retriever
 
@@ -151,7 +151,7 @@ def profile_costs(setup: Setup, shape: PassShape) -> dict:
     pass times (seconds, n = 1..N new tokens) in its dtype, the pass shape it runs at, a draft
     step, and the fastest plain decoding's step."""
     profile = setup.profile
-    target = curve(profile["target"]["by_dtype"][setup.target_dtype])
+    target = shape_curve(profile["target"]["by_dtype"][setup.target_dtype], shape)
     costs = {"t_verify_s": [target[n] / 1e3 for n in sorted(target)],
              "t_target_s": target[1] / 1e3, "pass_shape": shape.describe(),
              "pad_to": [shape.rows(n) for n in sorted(target)],
