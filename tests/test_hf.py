@@ -1,0 +1,81 @@
+"""draftctl's controllers inside transformers' generate(): the same output, the controller in
+charge of each round's draft length, clear refusals."""
+
+import pytest
+import torch
+
+from draftctl import hf
+from draftctl.controllers import make_controller
+from tests.conftest import tiny_llama, tiny_pair
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = tiny_pair(vocab_size=97, noise=0.3)
+    for model in (target, draft):
+        model.generation_config.pad_token_id = 0
+    return target, draft
+
+
+class Recording:
+    """Wraps a controller and keeps what it was told after each round."""
+
+    def __init__(self, spec: str):
+        self.inner = make_controller(spec)
+        self.rounds: list[tuple[int, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def observe(self, records, n_accepted):
+        self.rounds.append((len(records), n_accepted))
+        self.inner.observe(records, n_accepted)
+
+
+@pytest.mark.parametrize("spec", ["none", "static:3", "svip:0.5", "heuristic"])
+def test_greedy_output_equals_generate_without_an_assistant(pair, spec):
+    target, draft = pair
+    plain = target.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    out = hf.generate(target, PROMPT, draft, controller=spec, max_new_tokens=30,
+                      do_sample=False)
+    assert torch.equal(out, plain)
+
+
+def test_the_controller_sets_every_rounds_draft_length(pair):
+    target, draft = pair
+    static = Recording("static:3")
+    out = hf.generate(target, PROMPT, draft, controller=static, max_new_tokens=30,
+                      do_sample=False)
+    drafted = [d for d, _ in static.rounds]
+    assert drafted[:-1] and set(drafted[:-1]) == {3}  # the last round may be cut by max length
+    assert sum(a for _, a in static.rounds) + len(static.rounds) == out.shape[1] - PROMPT.shape[1]
+    none = Recording("none")
+    hf.generate(target, PROMPT, draft, controller=none, max_new_tokens=10, do_sample=False)
+    assert none.rounds == [(0, 0)] * 10  # no draft: one plain step a round
+    entropy = Recording("svip:0.9")  # stops once the draft is not confident
+    hf.generate(target, PROMPT, draft, controller=entropy, max_new_tokens=30, do_sample=False)
+    assert len({d for d, _ in entropy.rounds}) > 1
+
+
+def test_sampling_with_a_seed_runs_and_repeats(pair):
+    target, draft = pair
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outs.append(hf.generate(target, PROMPT, draft, controller="svip", max_new_tokens=20,
+                                do_sample=True, temperature=1.0))
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape[1] > PROMPT.shape[1]
+    assert 0 <= int(outs[0].min()) and int(outs[0].max()) < 97
+
+
+def test_bad_versions_vocabularies_and_controllers_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(hf.HFEngineError, match="supports transformers >=5.24,<6, found 4.46.0"):
+        hf.check_transformers("4.46.0")
+    other = tiny_llama(vocab_size=50, seed=4)
+    with pytest.raises(hf.HFEngineError, match="vocabulary has 50 tokens and the target's 97"):
+        hf.generate(target, PROMPT, other, controller="static:2", max_new_tokens=4)
+    with pytest.raises(hf.HFEngineError, match="needs the reference output"):
+        hf.generate(target, PROMPT, draft, controller="oracle", max_new_tokens=4)
