@@ -24,12 +24,15 @@ import torch
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draftctl.controllers import make_controller
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.features import FeatureRecord, SequenceState, distribution_stats
+from draftctl.distill.model import DraftLM
 from draftctl.drafters.base import ask_controller
 from draftctl.errors import DraftctlError
 
@@ -50,19 +53,64 @@ def check_transformers(version: str | None = None) -> None:
 
 
 def _vocabulary(model: torch.nn.Module) -> int:
+    if isinstance(model, DraftAssistant):
+        return model.config.vocab_size  # a draftctl draft's logits span the full vocabulary
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
+class DraftAssistant(PreTrainedModel, GenerationMixin):
+    """A draftctl-distilled draft (``DraftLM``: the target's first layers with a reduced head,
+    full-vocabulary logits) as a transformers model that ``generate`` can drive."""
+
+    _supports_cache_class = True
+    _supports_sdpa = True  # attention is the wrapped draft's own (sdpa, as loaded)
+
+    def __init__(self, draft: DraftLM):
+        super().__init__(draft.config)
+        self.draft = draft
+        self.post_init()
+
+    def _init_weights(self, module) -> None:
+        """The draft's weights are trained: nothing to initialise."""
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, cache=None,
+                use_cache: bool | None = None, logits_to_keep: int = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        out = self.draft(input_ids=input_ids, cache=cache, use_cache=bool(use_cache),
+                         logits_to_keep=logits_to_keep, attention_mask=attention_mask,
+                         position_ids=position_ids)
+        return CausalLMOutputWithPast(logits=out.logits, cache=cache)
+
+
+def as_assistant(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as transformers' assisted generation takes it: a transformers causal LM as it
+    is, a draftctl draft wrapped in ``DraftAssistant``; a feature-level draft is refused (it
+    reads the target's hidden states, which generate() does not hand over)."""
+    from draftctl.distill.feature import FeatureDraftLM
+
+    if isinstance(model, DraftLM):
+        return DraftAssistant(model).eval()
+    if isinstance(model, FeatureDraftLM):
+        raise HFEngineError("a feature-level draft reads the target's hidden states, which "
+                            "transformers' generate() does not hand to its assistant: use "
+                            "draftctl decode, or a draft model (distill --kind model)")
+    if not isinstance(model, GenerationMixin):
+        raise HFEngineError(f"the assistant ({type(model).__name__}) is neither a transformers "
+                            "causal LM nor a draftctl draft")
+    return model
+
+
 class _LastLogits:
-    """Keeps the assistant's output layer's last row: its raw logits at the drafted token."""
+    """Keeps the assistant's last output row: its raw logits at the drafted token."""
 
     def __init__(self, model: torch.nn.Module):
         self.logits: torch.Tensor | None = None
-        self.handle = model.get_output_embeddings().register_forward_hook(self._keep)
+        self.handle = model.register_forward_hook(self._keep)
 
     def _keep(self, module, args, output) -> None:
-        self.logits = output[0, -1]
+        self.logits = output.logits[0, -1]
 
     def remove(self) -> None:
         self.handle.remove()
@@ -150,6 +198,7 @@ def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | 
     if controller.reads_tokens:
         raise HFEngineError(f"controller {controller.spec!r} needs the reference output, which "
                             "generate() does not have: run it in draftctl bench")
+    assistant_model = as_assistant(assistant_model)
     target_vocab, draft_vocab = _vocabulary(model), _vocabulary(assistant_model)
     if target_vocab != draft_vocab:
         raise HFEngineError(f"the assistant's vocabulary has {draft_vocab} tokens and the "

@@ -6,7 +6,11 @@ import torch
 
 from draftctl import hf
 from draftctl.controllers import make_controller
-from tests.conftest import tiny_llama, tiny_pair
+from draftctl.decode import generate
+from draftctl.distill import feature, model
+from draftctl.models import encode_prompt, load_model
+from draftctl.prompts import load_prompts
+from tests.conftest import make_decoder, tiny_llama, tiny_pair
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 
@@ -79,3 +83,42 @@ def test_bad_versions_vocabularies_and_controllers_are_refused(pair):
         hf.generate(target, PROMPT, other, controller="static:2", max_new_tokens=4)
     with pytest.raises(hf.HFEngineError, match="needs the reference output"):
         hf.generate(target, PROMPT, draft, controller="oracle", max_new_tokens=4)
+
+
+def test_a_draftctl_draft_is_the_assistant_as_loaded(pair):
+    """A distilled draft (the target's first layer, a reduced head) goes in as its ``nn.Module``:
+    the output stays the target's, and its drafts are accepted (its weights are the ones
+    loaded, not re-initialised by the wrapper)."""
+    target, _ = pair
+    draft = model.from_target(target, 2, torch.arange(0, 97, 2))  # the target on half a head
+    with torch.no_grad():
+        draft.head.weight.copy_(target.lm_head.weight[::2])
+    static = Recording("static:3")
+    out = hf.generate(target, PROMPT, draft, controller=static, max_new_tokens=30,
+                      do_sample=False)
+    assert torch.equal(out, target.generate(PROMPT, max_new_tokens=30, do_sample=False))
+    ours = generate(make_decoder(target, draft, max_new_tokens=30), PROMPT[0].tolist(),
+                    make_controller("static:3"))
+    assert sum(a for _, a in static.rounds) > 0  # its drafts match the target's tokens
+    assert static.rounds[:-1] == [(r.drafted, r.n_accepted) for r in ours.rounds][:-1]
+    features = feature.from_target(target, torch.arange(97), (1, 2))
+    with pytest.raises(hf.HFEngineError, match="feature-level draft reads the target's hidden"):
+        hf.generate(target, PROMPT, features, controller="static:2", max_new_tokens=4)
+
+
+def test_the_shipped_draft_runs_in_generate_on_the_real_model(smollm2):
+    """Greedy output equals plain generate() on three prompts for three controllers, with the
+    shipped draft loaded as draftctl loads it."""
+    draft = load_model("smollm2-135m-draft", "cpu", "float32", target=smollm2)
+    accepted = drafted = 0
+    for prompt in load_prompts(split="test", limit=3):
+        ids = torch.tensor([encode_prompt(smollm2.tokenizer, prompt.text)])
+        plain = smollm2.model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        for spec in ("static:3", "svip:0.3", "heuristic"):
+            recording = Recording(spec)
+            out = hf.generate(smollm2.model, ids, draft.model, controller=recording,
+                              max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert torch.equal(out, plain), (prompt.question_id, spec)
+            accepted += sum(a for _, a in recording.rounds)
+            drafted += sum(d for d, _ in recording.rounds)
+    assert 0.1 < accepted / drafted < 1.0
