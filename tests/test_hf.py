@@ -7,7 +7,8 @@ import torch
 from draftctl import hf
 from draftctl.controllers import make_controller
 from draftctl.decode import generate
-from draftctl.distill import feature, model
+from draftctl.distill import feature
+from draftctl.distill.model import from_target as draft_from_target
 from draftctl.models import encode_prompt, load_model
 from draftctl.prompts import load_prompts
 from tests.conftest import make_decoder, tiny_llama, tiny_pair
@@ -90,7 +91,7 @@ def test_a_draftctl_draft_is_the_assistant_as_loaded(pair):
     the output stays the target's, and its drafts are accepted (its weights are the ones
     loaded, not re-initialised by the wrapper)."""
     target, _ = pair
-    draft = model.from_target(target, 2, torch.arange(0, 97, 2))  # the target on half a head
+    draft = draft_from_target(target, 2, torch.arange(0, 97, 2))  # the target on half a head
     with torch.no_grad():
         draft.head.weight.copy_(target.lm_head.weight[::2])
     static = Recording("static:3")
