@@ -53,8 +53,8 @@ def check_transformers(version: str | None = None) -> None:
 
 
 def _vocabulary(model: torch.nn.Module) -> int:
-    if isinstance(model, DraftAssistant):
-        return model.config.vocab_size  # a draftctl draft's logits span the full vocabulary
+    """Tokens the model's logits span: its output layer's rows, else its config's vocabulary
+    (a wrapped draftctl draft has no full output layer; its logits span the vocabulary)."""
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.vocab_size
 

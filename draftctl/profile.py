@@ -159,17 +159,18 @@ EXACT = PassShape(row_invariant=True)
 
 def choose_shape(t_ms: dict[int, float], t_draft: float, alpha: float,
                  inexact: frozenset[int] = frozenset(),
-                 exact_curve: dict[int, float] | None = None) -> tuple[str, int, float]:
-    """(pass shape, K, tokens per ms): the best fixed shape (``choose_rows``), or the exact
+                 exact_curve: dict[int, float] | None = None) -> tuple[str, int, int, float]:
+    """(pass shape, M, K, tokens per ms): the best fixed shape M (``choose_rows``; the
+    fallback where the exact shape cannot run), and the shape chosen: ``fixed:M``, or the exact
     shape when its curve is given (measured and checked exact) and models within
-    ``TIE_TOLERANCE`` of it or faster."""
+    ``TIE_TOLERANCE`` of it or faster, with K and the rate of the shape chosen."""
     rows, k, rate = choose_rows(t_ms, t_draft, alpha, inexact)
     if exact_curve:
         k_exact, rate_exact = best_static(exact_curve, EXACT, t_draft, alpha,
                                           max(exact_curve) - 1)
         if rate_exact >= rate * (1 - TIE_TOLERANCE):
-            return "exact", k_exact, rate_exact
-    return f"fixed:{rows}", k, rate
+            return "exact", rows, k_exact, rate_exact
+    return f"fixed:{rows}", rows, k, rate
 
 
 def _inexact(entry: dict) -> frozenset[int]:
@@ -339,11 +340,9 @@ def build_profile(cfg: CalibrateConfig, measured: dict) -> dict:
                                     "exact": checked["exact"],
                                     "plain_tokens_per_s": round(1e3 / curves["exact", dtype][1],
                                                                 2)}
-        shape, k, rate = choose_shape(t_ms, td, cfg.acceptance,
-                                      frozenset(m for m, ok in fixed.items() if not ok),
-                                      _exact_curve(entry))
-        rows = choose_rows(t_ms, td, cfg.acceptance,
-                           frozenset(m for m, ok in fixed.items() if not ok))[0]
+        shape, rows, k, rate = choose_shape(t_ms, td, cfg.acceptance,
+                                            frozenset(m for m, ok in fixed.items() if not ok),
+                                            _exact_curve(entry))
         by_dtype[dtype] = entry | {
             "pass_shape": shape, "rows": rows,
             "exact": checked["exact"] if shape == "exact" else fixed.get(rows, False),
@@ -581,8 +580,8 @@ def sensitivity(profile: dict, alphas=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> li
         for dtype, entry in profile["target"]["by_dtype"].items():
             t_ms = curve(entry)
             t_draft = curve(draft)[1] if draft else 0.1 * t_ms[1]
-            shape, k, rate = choose_shape(t_ms, t_draft, alpha, _inexact(entry),
-                                          _exact_curve(entry))
+            shape, _, k, rate = choose_shape(t_ms, t_draft, alpha, _inexact(entry),
+                                             _exact_curve(entry))
             if best is None or rate > best["rate"]:
                 best = {"acceptance": alpha, "dtype": dtype, "pass_shape": shape,
                         "static_k": k, "rate": rate}
