@@ -79,6 +79,27 @@ def test_exact_shape_logits_do_not_depend_on_the_split(dtype):
         stock, tokens, first, [1] * (len(tokens) - first)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_linear_row_is_the_same_alone_and_in_any_product(dtype):
+    """At the real target's MLP geometry (1536 -> 576), oneDNN's one-row kernel rounds
+    differently from its many-row kernel on some CPUs (an AVX-512 Xeon, both dtypes):
+    a row computed alone must still equal that row in products of 2 to 20 rows."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bfloat16 oneDNN kernels")
+    linear = torch.nn.Linear(1536, 576, bias=False).to(dtype)
+    packed = kernels.PackedLinear(linear)
+    x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.inference_mode():
+        full = packed(x)
+        for row in range(0, 40, 3):
+            assert torch.equal(packed(x[row:row + 1]), full[row:row + 1]), row
+            for rows in range(2, 21, 3):
+                assert torch.equal(packed(x[row:row + rows]), full[row:row + rows]), (row, rows)
+        assert packed(x[None, :1]).shape == (1, 1, 576)
+
+
 def test_the_row_invariant_view_shares_weights_and_leaves_the_model_alone(tiny_models):
     target, _ = tiny_models
     if kernels.supported(target):

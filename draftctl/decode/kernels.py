@@ -8,7 +8,10 @@ view replaces both:
 
 - linear layers: MKL's GEMM picks another kernel by row count. The view runs every
   ``nn.Linear`` through oneDNN's linear with weights packed once at conversion
-  (``torch.ops.mkldnn``), whose rows do not depend on how many rows the product has;
+  (``torch.ops.mkldnn``), whose rows do not depend on how many rows the product has, from two
+  rows up: for a single row oneDNN may take a matrix-vector kernel (seen on an AVX-512 Xeon:
+  the 1536-to-576 MLP projection rounds one row differently alone), so a one-row input is fed
+  as two copies of the row;
 - attention: one query row takes another path (``pack_gqa``, another SDPA kernel). The view
   feeds queries in blocks of ``QUERY_BLOCK`` rows, the last block padded by repeating its last
   row (padding dropped after), so every attention call has the same query count. Keys are
@@ -76,9 +79,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, bias,
-                                               "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, x.shape[-1])
+        single = rows.shape[0] == 1
+        if single:  # oneDNN's one-row kernel rounds differently: compute it as a 2-row product
+            rows = rows.expand(2, -1)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        return (y[:1] if single else y).reshape(*x.shape[:-1], self.out_features)
 
 
 def supported(model: nn.Module) -> str | None:
