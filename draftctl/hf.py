@@ -18,7 +18,12 @@ history.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 import types
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import transformers
@@ -32,11 +37,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from draftctl.controllers import make_controller
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.features import FeatureRecord, SequenceState, distribution_stats
+from draftctl.decode.loop import RoundRecord
+from draftctl.decode.verify import overlap
 from draftctl.distill.model import DraftLM
 from draftctl.drafters.base import ask_controller
 from draftctl.errors import DraftctlError
 
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"  # as pinned in pyproject.toml
+# a folder holding custom_generate/generate.py, for generate(custom_generate=...)
+CUSTOM_GENERATE = str(Path(__file__).resolve().parent / "data" / "hf")
 MAX_DRAFT = 16  # draft tokens per round at most, whatever the controller allows
 
 
@@ -139,6 +148,7 @@ class _AskController(StoppingCriteria):
             self.discard = True
         else:
             gen.records.append(record)
+            gen.raw_probs.append(probs)
             self.cum_top1 = record.cum_top1
         stop = action is not Action.CONTINUE
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
@@ -158,13 +168,14 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
         self.vocab_size = vocab_size
         self.max_draft = max_draft
         self.records: list[FeatureRecord] = []
+        self.raw_probs: list[torch.Tensor] = []  # (V,) temperature-1 draft softmax per token
         self.state: SequenceState | None = None
         controller.reset()
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         if self.state is None:
             self.state = SequenceState(input_ids.shape[1])
-        self.records = []
+        self.records, self.raw_probs = [], []
         self.num_assistant_tokens = min(self.controller.max_draft(), self.max_draft)
         return super().get_candidates(input_ids, **kwargs)
 
@@ -187,15 +198,112 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
         self.state = self.state.after_round(input_ids.shape[1], len(self.records), accepted)
 
 
-def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | Controller = "svip",
-             max_draft: int = MAX_DRAFT, **generate_kwargs):
-    """``model.generate(input_ids, assistant_model=..., **generate_kwargs)`` with ``controller``
-    (a spec string or a ``Controller``) deciding each round's draft length. Returns what
-    ``model.generate`` returns. Batch size 1, as transformers' assisted generation requires."""
+class RoundRecorder:
+    """Wraps a transformers candidate generator (its own schedules, or the controlled one) and
+    records every round as draftctl's ``RoundRecord``: the drafted tokens, the accepted count,
+    the target's argmax and accept probabilities (``min(1, p/q)`` when sampling, 1/0 in
+    greedy mode), beta, the new tokens, and draft and verification seconds. Everything else
+    is the wrapped generator's (transformers keeps its checks on the real class)."""
+
+    def __init__(self, inner, vocab_size: int, greedy: bool):
+        self.inner, self.vocab_size, self.greedy = inner, vocab_size, greedy
+        self.rounds: list[RoundRecord] = []
+        self._pending: tuple | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
+        start = time.perf_counter()
+        ids, logits = self.inner.get_candidates(input_ids, **kwargs)
+        length = input_ids.shape[1]
+        self._pending = (length, ids[0, length:].to(input_ids.device), logits,
+                         time.perf_counter() - start, time.perf_counter())
+        return ids, logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor,
+                                  num_matches: int) -> None:
+        verify_s = time.perf_counter() - self._pending[4]
+        length, drafted, q_logits, draft_s, _ = self._pending
+        k = len(drafted)
+        target = scores[0, :k, :self.vocab_size].float()  # (k, V): the target's, processed
+        argmax = target.argmax(-1)
+        controlled = isinstance(self.inner, ControlledCandidateGenerator)
+        records = self.inner.records if controlled else []
+        if self.greedy or k == 0:
+            accept = (drafted == argmax).float()
+            raw = self.inner.raw_probs if controlled else []
+            beta = overlap(torch.softmax(target, -1), torch.stack(raw)).tolist() \
+                if raw and k else []
+        else:
+            p = torch.softmax(target, -1)
+            q = torch.softmax(q_logits[0, :, :self.vocab_size].float().to(p.device), -1)
+            rows = torch.arange(k, device=p.device)
+            accept = (p[rows, drafted] / q[rows, drafted]).clamp(max=1.0)
+            beta = overlap(p, q).tolist()
+        self.rounds.append(RoundRecord(
+            index=len(self.rounds), draft_tokens=drafted.tolist(), features=list(records),
+            n_accepted=int(num_matches), accept_prob=accept.tolist(), beta=beta,
+            target_argmax=argmax.tolist(), new_tokens=input_ids[0, length:].tolist(),
+            discarded=0, draft_forwards=k, draft_time_s=draft_s, verify_time_s=verify_s,
+            controller_time_s=0.0, controller_calls=len(records)))
+        self.inner.update_candidate_strategy(input_ids, scores, num_matches)
+
+
+OWN = "hf:"  # spec prefix of transformers' own schedules
+
+
+def own_schedule(spec: str) -> dict:
+    """The assistant generation settings of one of transformers' own schedules:
+
+    - ``hf:constant:K``: K draft tokens every round;
+    - ``hf:heuristic[:K0]``: transformers' heuristic (+2 after a full accept, else -1), from K0
+      (default 20, transformers' start);
+    - ``hf:confidence[:T]``: transformers' default: up to 20 tokens, stopping below draft
+      confidence T (default 0.4), T refitted online by its ROC rule.
+
+    Schedules other than ``confidence`` run with the confidence rule off."""
+    name, _, value = spec.removeprefix(OWN).partition(":")
+    try:
+        if name == "constant" and value:
+            return {"num_assistant_tokens_schedule": "constant",
+                    "num_assistant_tokens": int(value), "assistant_confidence_threshold": 0.0}
+        if name == "heuristic":
+            return {"num_assistant_tokens_schedule": "heuristic",
+                    "num_assistant_tokens": int(value or 20),
+                    "assistant_confidence_threshold": 0.0}
+        if name == "confidence":
+            return {"num_assistant_tokens_schedule": "constant", "num_assistant_tokens": 20,
+                    "assistant_confidence_threshold": float(value or 0.4)}
+    except ValueError:
+        pass
+    raise HFEngineError(f"unknown transformers schedule {spec!r}: use hf:constant:K, "
+                        "hf:heuristic[:K0] or hf:confidence[:T]")
+
+
+@dataclass
+class HFRun:
+    """One ``generate()`` call: what it returned, its rounds, and its wall time."""
+
+    output: object
+    rounds: list[RoundRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def run(model, input_ids: torch.Tensor, assistant_model,
+        controller: str | Controller | None = "svip", max_draft: int = MAX_DRAFT,
+        **generate_kwargs) -> HFRun:
+    """``model.generate(input_ids, assistant_model=..., **generate_kwargs)``, recording every
+    round. ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
+    length; one of transformers' own schedules (``hf:...``, see ``own_schedule``); or None:
+    transformers' schedule as the assistant's generation config sets it."""
     check_transformers()
-    if isinstance(controller, str):
+    schedule = {}
+    if isinstance(controller, str) and controller.startswith(OWN):
+        schedule, controller = own_schedule(controller), None
+    elif isinstance(controller, str):
         controller = make_controller(controller)
-    if controller.reads_tokens:
+    if controller is not None and controller.reads_tokens:
         raise HFEngineError(f"controller {controller.spec!r} needs the reference output, which "
                             "generate() does not have: run it in draftctl bench")
     assistant_model = as_assistant(assistant_model)
@@ -206,16 +314,171 @@ def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | 
                             "the target's tokenizer")
     if max_draft < 1:
         raise HFEngineError(f"max_draft must be >= 1, got {max_draft}")
+    do_sample = generate_kwargs.get("do_sample", model.generation_config.do_sample)
+    own = type(model)._get_candidate_generator
+    recorders: list[RoundRecorder] = []
 
     def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
-                            model_kwargs, assistant_model=None, **_):
-        return ControlledCandidateGenerator(
-            input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor,
-            logits_processor, controller=controller, vocab_size=target_vocab,
-            max_draft=max_draft)
+                            model_kwargs, assistant_model=None, **kwargs):
+        if controller is None:
+            inner = own(self, generation_config, input_ids, inputs_tensor, logits_processor,
+                        model_kwargs, assistant_model=assistant_model, **kwargs)
+        else:
+            inner = ControlledCandidateGenerator(
+                input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor,
+                logits_processor, controller=controller, vocab_size=target_vocab,
+                max_draft=max_draft)
+        recorders.append(RoundRecorder(inner, target_vocab, greedy=not do_sample))
+        return recorders[-1]
 
     model._get_candidate_generator = types.MethodType(candidate_generator, model)
+    config = assistant_model.generation_config
+    before = {name: getattr(config, name) for name in schedule}
+    config.update(**schedule)
     try:
-        return model.generate(input_ids, assistant_model=assistant_model, **generate_kwargs)
+        start = time.perf_counter()
+        output = model.generate(input_ids, assistant_model=assistant_model, **generate_kwargs)
+        if output_device(output).type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     finally:
         del model._get_candidate_generator
+        config.update(**before)
+    return HFRun(output, recorders[-1].rounds if recorders else [], wall)
+
+
+def output_device(output) -> torch.device:
+    ids = output if isinstance(output, torch.Tensor) else output.sequences
+    return ids.device
+
+
+def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | Controller = "svip",
+             max_draft: int = MAX_DRAFT, trace_to: str | Path | None = None,
+             trace_id: int | None = None, trace_category: str = "generate",
+             **generate_kwargs):
+    """``model.generate(input_ids, assistant_model=..., **generate_kwargs)`` with ``controller``
+    (a spec string or a ``Controller``) deciding each round's draft length. Returns what
+    ``model.generate`` returns. Batch size 1, as transformers' assisted generation requires.
+
+    trace_to: a folder that gets this call's rounds as one Parquet shard of the rows
+    ``draftctl collect --mode policy`` writes (``trace_id``: its prompt id, default the next
+    free one; ``trace_category``: its category), and ``run.json``, so that ``replay`` and
+    ``train`` read it unchanged. Calls that add to one folder must share the controller, the
+    decoding settings and the models."""
+    result = run(model, input_ids, assistant_model, controller, max_draft, **generate_kwargs)
+    if trace_to is not None:
+        spec = controller if isinstance(controller, str) else controller.spec or repr(controller)
+        write_traces(Path(trace_to), result.rounds, model, as_assistant(assistant_model), spec,
+                     max_draft, generate_kwargs, trace_id, trace_category)
+    return result.output
+
+
+def custom_generate(model, inputs: torch.Tensor | None = None, assistant_model=None,
+                    controller: str | Controller = "svip", max_draft: int = MAX_DRAFT,
+                    trace_to: str | Path | None = None, **kwargs):
+    """``generate`` as transformers' ``custom_generate`` calls it (``model.generate(...,
+    custom_generate=CUSTOM_GENERATE, trust_remote_code=True, assistant_model=..., controller=
+    ...)``): the arguments generate() was given, those left unset as None."""
+    if assistant_model is None:
+        raise HFEngineError("draftctl's custom_generate drafts with an assistant: pass "
+                            "assistant_model=...")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if input_ids is None:
+        raise HFEngineError("draftctl's custom_generate needs input_ids")
+    return generate(model, input_ids, assistant_model, controller, max_draft, trace_to=trace_to,
+                    **kwargs)
+
+
+def _decoding(model, kwargs: dict) -> dict:
+    """The decoding settings of a generate() call, as ``collect`` records them."""
+    config = model.generation_config
+    sample = kwargs.get("do_sample", config.do_sample)
+
+    def setting(name, default):
+        value = kwargs.get(name, getattr(config, name, None))
+        return default if value is None else value
+
+    return {"temperature": float(setting("temperature", 1.0)) if sample else 0.0,
+            "top_k": int(setting("top_k", 0)) if sample else 0,
+            "top_p": float(setting("top_p", 1.0)) if sample else 1.0,
+            "max_new_tokens": kwargs.get("max_new_tokens", config.max_new_tokens),
+            "seed": None}
+
+
+def write_traces(folder: Path, rounds: list[RoundRecord], model, assistant, spec: str,
+                 max_draft: int, generate_kwargs: dict, trace_id: int | None,
+                 category: str) -> Path:
+    """One shard of ``rounds`` in ``folder/shards`` and the folder's ``run.json`` (checked
+    against an existing one); the cost curve replay models time with is measured from every
+    round the folder holds. Returns the shard's path."""
+    from draftctl.collect.run import open_run_info
+    from draftctl.collect.traces import read_traces, round_rows, write_shard
+
+    shards = folder / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    taken = {int(p.stem[1:]) for p in shards.glob("q*.parquet")}
+    prompt_id = trace_id if trace_id is not None else max(taken, default=-1) + 1
+    if prompt_id in taken:
+        raise HFEngineError(f"{shards} already holds trace {prompt_id}: pass another trace_id")
+    info = open_run_info(folder, _run_info(model, assistant, spec, max_draft, generate_kwargs))
+    run_id = f"{spec}-hf"[:48]
+    rows = [row for record in rounds for row in round_rows(record, run_id, prompt_id, category)]
+    path = shards / f"q{prompt_id}.parquet"
+    write_shard(rows, path, "rounds")
+    info["cost"] = measured_cost(read_traces(folder))
+    tmp = folder / "run.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, folder / "run.json")
+    return path
+
+
+def _name(model) -> str:
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def _run_info(model, assistant, spec: str, max_draft: int, generate_kwargs: dict) -> dict:
+    from importlib.metadata import version
+
+    from draftctl import __version__
+    from draftctl.decode.features import FEATURE_NAMES, SCHEMA_VERSION
+
+    return {"mode": "rounds", "drafter": "model", "policy": spec, "engine": "transformers",
+            "target": _name(model), "target_sha256": None, "draft": _name(assistant),
+            "draft_sha256": None, "decoding": _decoding(model, generate_kwargs),
+            "k_probe": max_draft, "prompts": "draftctl.hf.generate", "split": None,
+            "world_size": 1, "feature_schema_version": SCHEMA_VERSION,
+            "feature_names": list(FEATURE_NAMES),
+            "packages": {name: version(name) for name in ("torch", "transformers", "pyarrow")}
+            | {"draftctl": __version__},
+            "cost": None}
+
+
+def measured_cost(table) -> dict:
+    """The costs replay models time with (``draftctl.collect.run.profile_costs``' keys), from
+    the rounds of a trace table: a pass verifying n tokens takes the median measured
+    verification of rounds that drafted n - 1 (sizes never run are interpolated), a draft step
+    the median draft time per drafted token. transformers' passes are unpadded: shape ``free``.
+    """
+    import numpy as np
+
+    columns = table.select(["prompt_id", "round", "round_drafted", "draft_time_s",
+                            "verify_time_s"]).to_pylist()
+    rounds = {(r["prompt_id"], r["round"]): r for r in columns}.values()
+    by_size: dict[int, list[float]] = {}
+    per_token = []
+    for r in rounds:
+        by_size.setdefault(r["round_drafted"] + 1, []).append(r["verify_time_s"])
+        if r["round_drafted"]:
+            per_token.append(r["draft_time_s"] / r["round_drafted"])
+    if not by_size:
+        raise HFEngineError("no rounds to measure a cost curve from")
+    sizes = sorted(by_size)
+    medians = [float(np.median(by_size[n])) for n in sizes]
+    top = max(sizes[-1], 2)
+    curve = np.interp(np.arange(1, top + 1), sizes, medians).tolist()
+    return {"t_verify_s": curve, "t_target_s": curve[0], "pass_shape": "free",
+            "pad_to": list(range(1, top + 1)), "t_fastest_plain_s": curve[0],
+            "t_draft_s": float(np.median(per_token)) if per_token else 0.0,
+            "target_dtype": None, "draft_dtype": None, "profile": None,
+            "measured": "from the recorded rounds (transformers' generate)"}

@@ -1,6 +1,9 @@
 """draftctl's controllers inside transformers' generate(): the same output, the controller in
 charge of each round's draft length, clear refusals."""
 
+import itertools
+import json
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from draftctl.controllers import make_controller
 from draftctl.decode import generate
 from draftctl.distill import feature
 from draftctl.distill.model import from_target as draft_from_target
+from draftctl.errors import DraftctlError
 from draftctl.models import encode_prompt, load_model
 from draftctl.prompts import load_prompts
 from tests.conftest import make_decoder, tiny_llama, tiny_pair
@@ -123,3 +127,81 @@ def test_the_shipped_draft_runs_in_generate_on_the_real_model(smollm2):
             accepted += sum(a for _, a in recording.rounds)
             drafted += sum(d for d, _ in recording.rounds)
     assert 0.1 < accepted / drafted < 1.0
+
+
+def test_traces_from_generate_replay_with_their_round_counts(pair, tmp_path):
+    """``trace_to`` writes collect's round rows and run.json: replay and train's loader read
+    them, and replaying the recorded static:K gives the rounds and tokens generate() made
+    (in its rounds that drafted: a last round left no room to draft has no rows)."""
+    from draftctl.train.data import load_examples
+    from draftctl.train.replay import replay
+
+    target, draft = pair
+    made = rounds = reached = 0
+    for prompt in ([5, 6, 7, 8, 9], [11, 3, 40, 2], [60, 61, 62]):
+        ids = torch.tensor([prompt])
+        result = hf.run(target, ids, draft, controller="static:3", max_new_tokens=24,
+                        do_sample=False)
+        out = hf.generate(target, ids, draft, controller="static:3", max_new_tokens=24,
+                          do_sample=False, trace_to=tmp_path, trace_category="writing")
+        assert torch.equal(out, result.output)
+        drafting = [r for r in result.rounds if r.drafted]  # a round without drafts has no rows
+        made += sum(len(r.new_tokens) for r in drafting)
+        rounds += len(drafting)
+        reached += sum(min(r.drafted, r.n_accepted + 1) for r in result.rounds)
+        assert sum(len(r.new_tokens) for r in result.rounds) == out.shape[1] - ids.shape[1]
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert info["mode"] == "rounds" and info["policy"] == "static:3"
+    assert info["decoding"]["temperature"] == 0.0 and len(info["cost"]["t_verify_s"]) == 4
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [
+        "q0.parquet", "q1.parquet", "q2.parquet"]
+    [static] = replay(tmp_path, ["static:3"])
+    assert static["rounds"] == rounds and static["tokens"] == made
+    examples = load_examples(tmp_path)  # one example per reached draft token
+    assert len(examples.y) == reached and 0 < examples.y.mean() < 1
+    with pytest.raises(DraftctlError, match="differs in policy"):
+        hf.generate(target, PROMPT, draft, controller="svip", max_new_tokens=8,
+                    do_sample=False, trace_to=tmp_path)
+    with pytest.raises(hf.HFEngineError, match="already holds trace 1"):
+        hf.generate(target, PROMPT, draft, controller="static:3", max_new_tokens=8,
+                    do_sample=False, trace_to=tmp_path, trace_id=1)
+
+
+def test_transformers_own_schedules_are_recorded_unchanged(pair):
+    """transformers' own schedules run as transformers runs them: the constant one drafts its
+    K every round (bar the last), the heuristic one changes K by its rule, and the assistant's
+    settings are restored after the call."""
+    target, draft = pair
+    plain = target.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    settings = draft.generation_config.to_dict()
+    constant = hf.run(target, PROMPT, draft, controller="hf:constant:4", max_new_tokens=30,
+                      do_sample=False)
+    assert torch.equal(constant.output, plain) and constant.wall_s > 0
+    assert {r.drafted for r in constant.rounds[:-1]} == {4}
+    heuristic = hf.run(target, PROMPT, draft, controller="hf:heuristic:5", max_new_tokens=30,
+                       do_sample=False)
+    assert torch.equal(heuristic.output, plain)
+    rounds = heuristic.rounds
+    assert rounds[0].drafted == 5
+    for r, following in itertools.pairwise(rounds[:-1]):  # the last may be cut short
+        full = r.n_accepted == r.drafted
+        assert following.drafted == (r.drafted + 2 if full else max(1, r.drafted - 1))
+    assert draft.generation_config.to_dict() == settings
+    with pytest.raises(hf.HFEngineError, match="unknown transformers schedule 'hf:often'"):
+        hf.run(target, PROMPT, draft, controller="hf:often", max_new_tokens=4)
+
+
+def test_generate_takes_draftctl_as_its_custom_generate(pair):
+    """``model.generate(custom_generate=hf.CUSTOM_GENERATE, ...)`` runs the controlled
+    assisted generation: the same output as ``hf.generate``, the controller's draft lengths."""
+    target, draft = pair
+    static = Recording("static:3")
+    out = target.generate(PROMPT, custom_generate=hf.CUSTOM_GENERATE, trust_remote_code=True,
+                          assistant_model=draft, controller=static, max_new_tokens=20,
+                          do_sample=False)
+    assert torch.equal(out, hf.generate(target, PROMPT, draft, controller="static:3",
+                                        max_new_tokens=20, do_sample=False))
+    assert {d for d, _ in static.rounds[:-1]} == {3}
+    with pytest.raises(hf.HFEngineError, match="pass assistant_model"):
+        target.generate(PROMPT, custom_generate=hf.CUSTOM_GENERATE, trust_remote_code=True,
+                        controller="svip", max_new_tokens=4)

@@ -189,6 +189,24 @@ _COMPATIBLE = ("mode", "drafter", "policy", "target", "draft", "decoding", "k_pr
                "feature_schema_version")
 
 
+def open_run_info(out: Path, fresh: dict, write: bool = True) -> dict:
+    """The ``run.json`` of a trace folder: the one there, if it describes the same run as
+    ``fresh`` (else a clear error naming what differs), or ``fresh``, written atomically."""
+    path = out / "run.json"
+    if path.is_file():
+        info = json.loads(path.read_text())
+        changed = [k for k in _COMPATIBLE if info.get(k) != fresh.get(k)]
+        if changed:
+            raise DraftctlError(f"{out} holds traces of another run (differs in "
+                                f"{', '.join(changed)}); use a new --out")
+        return info
+    if write:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fresh, indent=2))
+        os.replace(tmp, path)
+    return fresh
+
+
 def run_collect(cfg: CollectConfig) -> dict:
     """Collect traces into ``cfg.out``; resumes, skipping prompts whose shard exists."""
     rank, world = rank_slice()
@@ -212,21 +230,13 @@ def run_collect(cfg: CollectConfig) -> dict:
     decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config(setup.shape))
     encoded = {p.question_id: encode_prompt(target.tokenizer, p.text) for p in prompts}
 
-    info_path = out / "run.json"
-    if info_path.is_file():
-        info = json.loads(info_path.read_text())
-        fresh = _run_info(cfg, draft_spec, info["cost"], info["world_size"])
-        changed = [k for k in _COMPATIBLE if info.get(k) != fresh.get(k)]
-        if changed:
-            raise DraftctlError(f"{out} holds traces of another run (differs in "
-                                f"{', '.join(changed)}); use a new --out")
+    if (out / "run.json").is_file():
+        info = open_run_info(out, _run_info(cfg, draft_spec, None, world))
     else:
         shape = PassShape() if retrieval else decoder.target.shape  # tries run unpadded
-        info = _run_info(cfg, draft_spec, profile_costs(setup, shape), world)
+        info = open_run_info(out, _run_info(cfg, draft_spec, profile_costs(setup, shape), world),
+                             write=rank == 0)
         if rank == 0:
-            tmp = info_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info, indent=2))
-            os.replace(tmp, info_path)
             save_config(cfg, out / "collect.yaml")
     run_id = f"{info['policy']}-{info['target_sha256'] or cfg.target}"[:48]
 
