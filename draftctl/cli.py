@@ -124,7 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     keys = ("prompts", "split", "limit", "per_category", "target", "draft", "drafter",
             "pass_shape", "profile", "max_new_tokens", "max_draft", "temperature", "top_k",
-            "top_p", "seed", "device", "dtype", "out")
+            "top_p", "seed", "device", "dtype", "engine", "out")
     overrides = {k: getattr(args, k) for k in keys}
     if args.controllers is not None:
         overrides["controllers"] = [args.controllers]
@@ -142,8 +142,10 @@ def _bench(args: argparse.Namespace) -> int:
               "differ from plain greedy decoding: tree passes are not bit-exact (see README)",
               file=sys.stderr)
     if report["mismatches"]:
-        print(f"draftctl bench: {report['mismatches']} outputs differ from plain greedy "
-              "decoding: a lossless decoder must not do that", file=sys.stderr)
+        plain = "transformers' plain greedy generate()" if report.get("engine") == \
+            "transformers" else "plain greedy decoding"
+        print(f"draftctl bench: {report['mismatches']} outputs differ from {plain}: a "
+              "lossless decoder must not do that", file=sys.stderr)
         return 1
     return 0
 
@@ -357,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "controller; or give one controller a drafter of its own: "
                                       "static:10@rest:DIR next to model-draft controllers")
     _decoding_flags(be)
+    be.add_argument("--engine", choices=("draftctl", "hf"),
+                    help="draftctl (default): draftctl's decoder; hf: transformers' generate() "
+                         "with AR, its own schedules (hf:constant:K, hf:heuristic[:K0], "
+                         "hf:confidence[:T]) and draftctl controllers")
     be.add_argument("--no-plots", action="store_true")
     be.add_argument("--out", help="output folder (default runs/bench)")
     be.set_defaults(func=_bench)

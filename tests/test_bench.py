@@ -12,6 +12,7 @@ from draftctl.collect.run import CollectConfig, run_collect
 from draftctl.collect.traces import read_traces
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate, loop, verify
+from draftctl.errors import DraftctlError
 from draftctl.export.onnx import export_onnx
 from draftctl.models import encode_prompt, load_model
 from draftctl.prompts import load_prompts
@@ -207,3 +208,41 @@ def test_chat_corpus_holds_the_targets_own_answers(pair, tmp_path, capsys):  # n
     assert main(["datastore", "build", "--target", target, "--responses", str(bad), "--out",
                  str(tmp_path / "x")]) == 2
     assert "is not a responses file" in capsys.readouterr().err
+
+
+def test_bench_engine_hf_runs_transformers_schedules_and_draftctl_controllers(
+        pair, tmp_path):  # noqa: F811
+    """``--engine hf``: AR is plain generate(); transformers' own schedules and draftctl
+    controllers run inside generate(), every greedy output equal to plain generate()'s;
+    at T=1 every run of a prompt starts from one seed and no mismatch is counted."""
+    out = tmp_path / "hf"
+    specs = "hf:constant:2-3,hf:heuristic,hf:confidence:0.4,static:3,svip:0.5"
+    assert main(bench_args(pair, out, "--engine", "hf", "--controllers", specs,
+                           "--no-plots")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["engine"] == "transformers" and report["mismatches"] == 0
+    assert report["pass_shape"] == "free" and not report["bit_exact"]
+    by_spec = {c["spec"]: c for c in report["controllers"]}
+    assert list(by_spec) == ["hf:constant:2", "hf:constant:3", "hf:heuristic",
+                             "hf:confidence:0.4", "static:3", "svip:0.5"]
+    assert by_spec["hf:constant:3"]["schedule"] == "transformers"
+    assert by_spec["static:3"]["schedule"] == "draftctl"
+    for spec in ("hf:constant:3", "static:3"):  # both draft 3 a round, bar cut rounds
+        row = by_spec[spec]
+        assert row["rounds"] < row["drafted"] <= 3 * row["rounds"], spec
+        assert row["tokens_per_s"] > 0 and row["speedup_vs_ar"] > 0
+    assert by_spec["svip:0.5"]["controller_us_per_call"] is not None
+    sampled = tmp_path / "hf-t1"
+    assert main(bench_args(pair, sampled, "--engine", "hf", "--controllers", "hf:constant:2,"
+                           "static:2", "--temperature", "1", "--no-plots")) == 0
+    report = json.loads((sampled / "report.json").read_text())
+    assert report["mismatches"] is None and not report["greedy"]
+    target, draft, prompts = pair
+    base = {"target": target, "draft": draft, "prompts": prompts, "split": "all",
+            "device": "cpu", "engine": "hf", "out": str(tmp_path / "x")}
+    with pytest.raises(DraftctlError, match="oracle needs the reference output"):
+        run_bench(BenchConfig(**base, controllers=["oracle"]))
+    with pytest.raises(DraftctlError, match="unknown transformers schedule"):
+        run_bench(BenchConfig(**base, controllers=["hf:fast"]))
+    with pytest.raises(DraftctlError, match="unknown engine 'vllm'"):
+        run_bench(BenchConfig(**{**base, "engine": "vllm"}, controllers=["static:2"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -34,7 +34,7 @@ class BenchConfig(DecodingOptions):
     split: str = "test"
     limit: int | None = None
     per_category: int | None = None
-    controllers: list[str] = field(default_factory=lambda: list(DEFAULT_CONTROLLERS))
+    controllers: list[str] | None = None  # None: the engine's defaults
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
     # rest:DIR: retrieval drafts for every controller without its own @DRAFTER suffix
@@ -44,6 +44,8 @@ class BenchConfig(DecodingOptions):
     # also time plain decoding in the profile's fastest dtype and pass shape, for the
     # speedup a user sees against the fastest decoding they could run instead
     fastest_ar: bool = True
+    # draftctl: draftctl's own decoder; hf: transformers' generate() (draftctl.bench.hf_engine)
+    engine: str = "draftctl"
     out: str = "runs/bench"
 
 
@@ -156,7 +158,13 @@ def answer_name(spec: str) -> str:
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Decode, compare, and write ``report.json``, ``report.md``, plots and answers."""
-    specs = expand_specs(cfg.controllers)
+    if cfg.engine == "hf":
+        from draftctl.bench.hf_engine import run_bench_hf
+
+        return run_bench_hf(cfg, progress)
+    if cfg.engine != "draftctl":
+        raise DraftctlError(f"unknown engine {cfg.engine!r}: use draftctl or hf")
+    specs = expand_specs(cfg.controllers or list(DEFAULT_CONTROLLERS))
     if not specs:
         raise DraftctlError("no controllers to benchmark: pass --controllers SPEC,...")
     if len(set(specs)) != len(specs):

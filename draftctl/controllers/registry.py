@@ -93,11 +93,14 @@ def make_controller(spec: str) -> Controller:
     return controller
 
 
-def expand_specs(specs: str | list[str]) -> list[str]:
+def expand_specs(specs: str | list[str],
+                 check: Callable[[str], object] | None = None) -> list[str]:
     """Comma-separated or listed specs with integer ranges expanded: ``static:1-4`` gives
     ``static:1`` .. ``static:4``; ``svip:0.4,n_max=2-3`` gives two specs. Every spec is
-    checked (``ControllerSpecError`` names the bad one); unranged specs stay as written. A
-    ``@DRAFTER`` suffix (``split_drafter``) is kept on every spec it expands to."""
+    checked by ``check`` (default ``make_controller``: ``ControllerSpecError`` names the bad
+    one); unranged specs stay as written. A ``@DRAFTER`` suffix (``split_drafter``) is kept on
+    every spec it expands to."""
+    check = check or make_controller
     specs = _split_specs(specs) if isinstance(specs, str) \
         else [one for text in specs for one in _split_specs(text)]
     out: list[str] = []
@@ -106,21 +109,21 @@ def expand_specs(specs: str | list[str]) -> list[str]:
         suffix = f"@{drafter}" if drafter else ""
         name, _, arg_text = spec.partition(":")
         items = arg_text.split(",") if arg_text and name != "onnx" else []
-        ranged = [i for i, item in enumerate(items) if re.fullmatch(r"(\w+=)?\d+-\d+", item)]
+        ranged = [(i, m) for i, item in enumerate(items)
+                  if (m := re.fullmatch(r"(\w+[=:])?(\d+)-(\d+)", item))]
         if not ranged:
-            make_controller(spec)
+            check(spec)
             out.append(spec + suffix)
             continue
         if len(ranged) > 1:
             raise ControllerSpecError(f"controller spec {spec!r}: only one range per spec")
-        i = ranged[0]
-        key, eq, text = items[i].rpartition("=")
-        lo, hi = (int(v) for v in text.split("-"))
+        i, match = ranged[0]
+        key, lo, hi = match.group(1) or "", int(match.group(2)), int(match.group(3))
         if lo > hi:
             raise ControllerSpecError(f"controller spec {spec!r}: range {lo}-{hi} is empty")
         for value in range(lo, hi + 1):
-            expanded = f"{name}:{','.join([*items[:i], f'{key}{eq}{value}', *items[i + 1:]])}"
-            make_controller(expanded)
+            expanded = f"{name}:{','.join([*items[:i], f'{key}{value}', *items[i + 1:]])}"
+            check(expanded)
             out.append(expanded + suffix)
     return out
 

@@ -1,0 +1,150 @@
+"""``draftctl bench --engine hf``: the same prompts through transformers' ``generate()``.
+
+Plain ``generate()`` (AR), transformers' own schedules (``hf:constant:K``,
+``hf:heuristic[:K0]``, ``hf:confidence[:T]``, see ``draftctl.hf.own_schedule``) and draftctl
+controllers (through ``draftctl.hf``), each prompt run by all of them in a rotated order after
+an untimed warm-up, as ``draftctl bench`` does. Verification is transformers' own in every
+run; the passes are transformers' (unpadded), so greedy outputs are compared with plain
+``generate()``, not with draftctl's bit-exact shapes. Under sampling every run of a prompt
+starts from the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draftctl import hf
+from draftctl.bench.report import write_answers, write_markdown, write_plots
+from draftctl.bench.run import BenchConfig, Run, answer_name, build_report
+from draftctl.config import save_config
+from draftctl.controllers import expand_specs, make_controller, split_drafter
+from draftctl.decode.loop import GenerationResult
+from draftctl.errors import DraftctlError
+from draftctl.models import default_draft, encode_prompt, load_model
+from draftctl.profile import settle
+from draftctl.prompts import load_prompts
+
+DEFAULT_HF_CONTROLLERS = ("hf:heuristic", "hf:confidence:0.4", "hf:constant:4", "static:4",
+                          "svip")
+
+
+def _check_spec(spec: str) -> None:
+    """A spec ``generate()`` can run: one of transformers' schedules or a draftctl controller
+    that needs no reference output, with the assistant model as its drafter."""
+    if spec.startswith(hf.OWN):
+        hf.own_schedule(spec)
+        return
+    controller, drafter = split_drafter(spec)
+    if drafter is not None:
+        raise DraftctlError(f"{spec}: transformers' generate() drafts with an assistant model "
+                            "only, not with rest:DIR")
+    if make_controller(controller).reads_tokens:
+        raise DraftctlError(f"{spec}: the oracle needs the reference output, which generate() "
+                            "does not have")
+
+
+def _result(ids: list[int], output: torch.Tensor, rounds, wall_s: float,
+            eos: frozenset[int]) -> GenerationResult:
+    new = output[0, len(ids):].tolist()
+    end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+    return GenerationResult(
+        prompt_ids=ids, output_ids=new[:end], rounds=rounds, wall_s=wall_s,
+        target_forwards=len(rounds) if rounds else end,
+        draft_forwards=sum(r.draft_forwards for r in rounds),
+        stop_reason="eos" if end < len(new) or (new and new[-1] in eos) else "max_new_tokens")
+
+
+def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Decode every prompt with plain ``generate()`` and each spec inside ``generate()``;
+    write the same report files as ``run_bench``."""
+    hf.check_transformers()
+    specs = [s for s in expand_specs(cfg.controllers or list(DEFAULT_HF_CONTROLLERS),
+                                     check=_check_spec) if s != "none"]
+    if not specs:
+        raise DraftctlError("no controllers to benchmark: pass --controllers SPEC,...")
+    if len(set(specs)) != len(specs):
+        raise DraftctlError(f"a controller is listed twice in {', '.join(specs)}")
+    if cfg.drafter is not None:
+        raise DraftctlError("--engine hf drafts with the draft model; --drafter applies to "
+                            "draftctl's own engine")
+    draft_spec = cfg.draft or default_draft(cfg.target)
+    if draft_spec is None:
+        raise DraftctlError(f"no draft model for {cfg.target!r}: pass --draft SPEC")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "bench.yaml")
+    setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, "free", cfg.profile, progress)
+    target = load_model(cfg.target, cfg.device, setup.target_dtype)
+    draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target)
+    greedy = cfg.temperature == 0
+    eos = frozenset(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else \
+        min(eos)
+    kwargs = {"max_new_tokens": cfg.max_new_tokens, "do_sample": not greedy,
+              "eos_token_id": sorted(eos), "pad_token_id": pad}
+    if not greedy:
+        kwargs |= {"temperature": cfg.temperature, "top_k": cfg.top_k or None,
+                   "top_p": cfg.top_p}
+    prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit, cfg.per_category)
+    encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
+
+    def decode(spec: str, ids: list[int], seed: int,
+               max_new: int | None = None) -> tuple[torch.Tensor, list, float]:
+        """(generate()'s output, its rounds, wall seconds) for one spec on one prompt."""
+        tensor = torch.tensor([ids], device=target.device)
+        call = kwargs | ({"max_new_tokens": max_new} if max_new else {})
+        torch.manual_seed(seed)
+        if spec == "none":
+            start = time.perf_counter()
+            output = target.model.generate(tensor, attention_mask=torch.ones_like(tensor),
+                                           **call)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            return output, [], time.perf_counter() - start
+        result = hf.run(target.model, tensor, draft.model, controller=spec,
+                        max_draft=cfg.max_draft, attention_mask=torch.ones_like(tensor), **call)
+        return result.output, result.rounds, result.wall_s
+
+    for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):
+        for spec in ("none", "static:1"):
+            decode(spec, ids, cfg.seed, max_new=2)
+
+    runs: list[Run] = []
+    bar = tqdm(total=len(prompts) * (len(specs) + 1), desc="bench hf", unit="run",
+               disable=not progress)
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        seed = cfg.seed + i
+        order = ["none", *specs]
+        order = order[i % len(order):] + order[:i % len(order)]  # rotate: noise hits all alike
+        results = {}
+        for spec in order:
+            output, rounds, wall = decode(spec, ids, seed)
+            results[spec] = _result(ids, output, rounds, wall, eos)
+            bar.update()
+        reference = results["none"].output_ids
+        for spec in ["none", *specs]:
+            result = results[spec]
+            mismatch = (result.output_ids != reference) if greedy and spec != "none" else None
+            runs.append(Run(spec, prompt.question_id, prompt.task, result,
+                            target.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+                            mismatch))
+    bar.close()
+
+    report = build_report(cfg, specs, runs, draft.spec, None, setup)
+    report["engine"] = "transformers"
+    report["pass_shape"], report["bit_exact"] = "free", False
+    report["transformers"] = hf.transformers.__version__
+    for row in report["controllers"]:
+        row["bit_exact"] = False
+        row["schedule"] = "transformers" if row["spec"].startswith(hf.OWN) else "draftctl"
+    (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    write_markdown(report, out / "report.md")
+    write_answers(runs, out / "answers", answer_name)
+    if cfg.plots:
+        write_plots(report, runs, out)
+    return report
