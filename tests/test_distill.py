@@ -9,6 +9,7 @@ import torch
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.distill import run as distill_run
+from draftctl.distill.data import choose_head_ids
 from draftctl.distill.model import DraftFileError, DraftLM
 from draftctl.distill.run import DistillConfig, run_distill
 from draftctl.errors import DraftctlError
@@ -198,3 +199,16 @@ def test_teacher_labels_resume_from_their_parts_with_features(tmp_path, monkeypa
     with pytest.raises(DraftctlError, match="labelled from other responses or layers"):
         distill_run.teacher_labels(teacher.model, rows, head_ids, 4,
                                    **{**kwargs, "feature_layers": (1,)})
+
+
+def test_the_head_is_sized_by_held_out_coverage_of_the_targets_outputs():
+    """Head ids rank the responses' tokens (what the draft must propose), not the prompts':
+    a prompt-heavy token set does not push the outputs' tokens out of a small head."""
+    rows = [{"prompt_ids": list(range(50, 60)) * 5, "response_ids": list(range(10)) * (1 + i)}
+            for i in range(3)]
+    heldout = [{"prompt_ids": [1], "response_ids": list(range(10)) * 2}]
+    sized = distill_run.head_size_for(rows, heldout, [5, 10, 20], 0.98)
+    assert sized["head_size"] == 10 and sized["coverage"] == 1.0
+    assert sized["curve"] == {5: 0.5, 10: 1.0, 20: 1.0}
+    head = choose_head_ids(rows, 12, always=[96], vocab_size=97)
+    assert set(range(10)) | {96} <= set(head.tolist()) and len(head) == 12

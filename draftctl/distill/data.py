@@ -129,14 +129,19 @@ def read_responses(path: Path) -> list[dict]:
     return rows
 
 
-def choose_head_ids(rows: Sequence[dict], head_size: int, always: Iterable[int],
-                    vocab_size: int) -> torch.Tensor:
-    """The ``head_size`` most frequent ids of the responses and prompts, plus ``always``."""
+def ranked_tokens(rows: Sequence[dict]) -> list[int]:
+    """The ids of the rows' responses (the target's own outputs, which the head must draft;
+    extra text is all response), most frequent first."""
     counts = Counter()
     for row in rows:
         counts.update(row["response_ids"])
-        counts.update(row["prompt_ids"])
-    chosen = list(dict.fromkeys([*always, *(t for t, _ in counts.most_common())]))[:head_size]
+    return [t for t, _ in counts.most_common()]
+
+
+def choose_head_ids(rows: Sequence[dict], head_size: int, always: Iterable[int],
+                    vocab_size: int) -> torch.Tensor:
+    """``always`` and the ``head_size`` most frequent ids of the responses (``ranked_tokens``)."""
+    chosen = list(dict.fromkeys([*always, *ranked_tokens(rows)]))[:head_size]
     if len(chosen) < head_size:  # pad with the lowest unused ids so the head has a fixed size
         used = set(chosen)
         chosen += [t for t in range(vocab_size) if t not in used][: head_size - len(chosen)]

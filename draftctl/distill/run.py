@@ -30,6 +30,7 @@ from draftctl.config import save_config
 from draftctl.distill.data import (
     choose_head_ids,
     generate_responses,
+    ranked_tokens,
     read_responses,
     record_stage,
     text_rows,
@@ -124,13 +125,10 @@ KINDS = ("model", "feature")
 
 def head_size_for(train_rows: list[dict], heldout_rows: list[dict], sizes: list[int],
                   coverage: float) -> dict:
-    """The smallest of ``sizes`` whose most frequent training tokens cover at least
+    """The smallest of ``sizes`` whose most frequent training response tokens cover at least
     ``coverage`` of the held-out responses' tokens (the largest if none does), with the
     coverage of every size: {"head_size", "coverage", "curve": {size: coverage}}."""
-    from collections import Counter
-
-    counts = Counter(t for row in train_rows for t in row["response_ids"] + row["prompt_ids"])
-    ranked = [t for t, _ in counts.most_common()]
+    ranked = ranked_tokens(train_rows)
     heldout = [t for row in heldout_rows for t in row["response_ids"]]
     curve = {}
     for size in sorted(sizes):
