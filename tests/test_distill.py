@@ -212,3 +212,26 @@ def test_the_head_is_sized_by_held_out_coverage_of_the_targets_outputs():
     assert sized["curve"] == {5: 0.5, 10: 1.0, 20: 1.0}
     head = choose_head_ids(rows, 12, always=[96], vocab_size=97)
     assert set(range(10)) | {96} <= set(head.tolist()) and len(head) == 12
+
+
+def test_a_second_draft_trains_on_another_runs_data_folder(setup):
+    """``data_dir``: a second run (here the feature kind) reuses the first run's responses and
+    labels instead of making them again, and a run with other data settings is refused."""
+    from dataclasses import replace
+
+    _, config = setup
+    config.feature_layers = [1, 2]
+    first = run_distill(config)
+    data = Path(config.out) / "data"
+    responses = (data / "responses.jsonl").read_bytes()
+    second = replace(config, kind="feature", out=str(Path(config.out).parent / "feature"),
+                     data_dir=str(data))
+    manifest = run_distill(second)
+    assert (data / "responses.jsonl").read_bytes() == responses
+    ledger = distill_run.read_stages(data)  # the second run found every response made
+    assert ledger["responses"]["runs"] == 2 and ledger["responses"]["responses"] == 24
+    assert manifest["data"]["responses_sha256"] == first["data"]["responses_sha256"]
+    assert manifest["architecture"]["kind"] == "feature"
+    assert manifest["stages"]["teacher_labels"] == first["stages"]["teacher_labels"]
+    with pytest.raises(DraftctlError, match=r"other data settings \(max_new_tokens\)"):
+        run_distill(replace(second, max_new_tokens=12))

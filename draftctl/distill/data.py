@@ -103,12 +103,18 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
     return {"responses": written, "tokens": tokens, "seconds": time.perf_counter() - started}
 
 
+def read_stages(folder: Path) -> dict:
+    """The stage ledger ``record_stage`` keeps in ``folder/stages.json`` ({} if none)."""
+    path = folder / "stages.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def record_stage(folder: Path, stage: str, done: dict) -> dict:
     """Add what a run of ``stage`` did (``seconds`` and counts) to ``folder/stages.json``, so
     that the figures of a recipe that was interrupted and resumed add up; returns them all,
     with ``tokens_per_s`` where tokens were counted."""
     path = folder / "stages.json"
-    stages = json.loads(path.read_text()) if path.is_file() else {}
+    stages = read_stages(folder)
     entry = stages.setdefault(stage, {"runs": 0})
     entry["runs"] += 1
     for key, value in done.items():

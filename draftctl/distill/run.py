@@ -32,6 +32,7 @@ from draftctl.distill.data import (
     generate_responses,
     ranked_tokens,
     read_responses,
+    read_stages,
     record_stage,
     text_rows,
 )
@@ -100,6 +101,9 @@ class DistillConfig:
     # where the CPU has it). The shipped recipe pins float32, in which it was made.
     dtype: str = "auto"
     threads: int | None = None
+    # where stages 1-2 (responses, teacher labels) live; default OUT/data. Another run's data
+    # folder trains a second draft (e.g. the other kind) on the same data without remaking it
+    data_dir: str | None = None
     notes: str = ""
 
 
@@ -305,7 +309,10 @@ def run_distill(cfg: DistillConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
-    (out / "data").mkdir(parents=True, exist_ok=True)
+    data = Path(cfg.data_dir) if cfg.data_dir else out / "data"
+    for folder in (out, data):
+        folder.mkdir(parents=True, exist_ok=True)
+    check_data_recipe(cfg, data)
     save_config(cfg, out / "distill.yaml")
     target = load_model(cfg.target, cfg.device, target_dtype(cfg.target, cfg.device, cfg.dtype))
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit)
@@ -322,17 +329,17 @@ def run_distill(cfg: DistillConfig) -> dict:
     common = {"max_prompt_tokens": cfg.max_prompt_tokens, "temperature": cfg.temperature,
               "top_p": cfg.top_p, "batch_size": cfg.gen_batch, "seed": cfg.seed,
               "eos_ids": target.eos_token_ids}
-    record_stage(out, "responses", generate_responses(
-        target.model, target.tokenizer, prompts, out / "data" / "responses.jsonl",
+    record_stage(data, "responses", generate_responses(
+        target.model, target.tokenizer, prompts, data / "responses.jsonl",
         samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens, **common))
-    record_stage(out, "eval_responses", generate_responses(
-        target.model, target.tokenizer, eval_prompts, out / "data" / "eval.jsonl",
+    record_stage(data, "eval_responses", generate_responses(
+        target.model, target.tokenizer, eval_prompts, data / "eval.jsonl",
         samples_per_prompt=0, max_new_tokens=cfg.eval_max_new_tokens, **common))
-    rows = read_responses(out / "data" / "responses.jsonl")
+    rows = read_responses(data / "responses.jsonl")
     texts = text_rows(target.tokenizer, cfg.extra_text, cfg.text_chunk_tokens)
-    eval_rows = read_responses(out / "data" / "eval.jsonl")
+    eval_rows = read_responses(data / "eval.jsonl")
 
-    teacher_path = out / "data" / "teacher.pt"
+    teacher_path = data / "teacher.pt"
     if teacher_path.is_file():
         teacher = torch.load(teacher_path)
     else:
@@ -345,19 +352,20 @@ def run_distill(cfg: DistillConfig) -> dict:
         labels_started = time.perf_counter()
         labelled = teacher_labels(target.model, rows + texts["rows"], head_ids,
                                   cfg.teacher_top_k, prompt_loss=cfg.prompt_loss,
-                                  folder=out / "data" / "teacher",
+                                  folder=data / "teacher",
                                   feature_layers=cfg.feature_layers)
         labelled.pop("features")  # they stay in the parts; feature drafts load them there
         teacher = {"head_ids": head_ids, **labelled}
         _atomic_save(teacher, teacher_path)
-        record_stage(out, "teacher_labels", {
+        record_stage(data, "teacher_labels", {
             "seconds": time.perf_counter() - labels_started,
             "tokens": sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)})
 
-    trainee = _trainee(cfg, target, teacher, eval_rows, out)
+    trainee = _trainee(cfg, target, teacher, eval_rows, data / "teacher")
     train_started = time.perf_counter()
     history, step = _train(cfg, trainee, len(teacher["sequences"]), out)
-    stages = record_stage(out, "training", {"seconds": time.perf_counter() - train_started})
+    stages = {**read_stages(data),
+              **record_stage(out, "training", {"seconds": time.perf_counter() - train_started})}
     final = trainee.evaluate(trainee.draft)
     data_tokens = sum(len(r["response_ids"]) for r in rows)
     manifest = {
@@ -370,7 +378,7 @@ def run_distill(cfg: DistillConfig) -> dict:
                  "eval_split": f"question_id % {cfg.holdout_every} == 0 of the same file"
                  if cfg.holdout_every > 0 else cfg.eval_split,
                  "eval_prompts": len(eval_prompts),
-                 "responses_sha256": _sha256(out / "data" / "responses.jsonl"),
+                 "responses_sha256": _sha256(data / "responses.jsonl"),
                  "prompt_loss": cfg.prompt_loss, "extra_text": texts["files"],
                  "labelled_positions": sum(len(ids) for ids in teacher["label_ids"])},
         "architecture": {"kind": cfg.kind,
@@ -398,6 +406,29 @@ def run_distill(cfg: DistillConfig) -> dict:
     return manifest
 
 
+# the settings stages 1-2 depend on: a data folder made with other values is refused
+DATA_KEYS = ("target", "prompts", "split", "limit", "samples_per_prompt", "max_new_tokens",
+             "temperature", "top_p", "max_prompt_tokens", "extra_text", "text_chunk_tokens",
+             "eval_prompts", "eval_split", "eval_limit", "holdout_every", "eval_max_new_tokens",
+             "head_size", "head_coverage", "head_sizes", "teacher_top_k", "feature_layers",
+             "prompt_loss", "seed", "dtype")
+
+
+def check_data_recipe(cfg: DistillConfig, data: Path) -> None:
+    """Record the data settings in ``data/recipe.json``, or refuse a run whose settings
+    differ from those the folder was made with (naming the keys)."""
+    recipe = {key: getattr(cfg, key) for key in DATA_KEYS}
+    path = data / "recipe.json"
+    if path.is_file():
+        made = json.loads(path.read_text())
+        changed = [k for k in DATA_KEYS if made.get(k) != recipe[k]]
+        if changed:
+            raise DraftctlError(f"{data} was made with other data settings ({', '.join(changed)}"
+                                f"); use those, or another data folder")
+        return
+    path.write_text(json.dumps(recipe, indent=2))
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -417,7 +448,7 @@ class _Trainee:
 
 
 def _trainee(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: list[dict],
-             out: Path) -> _Trainee:
+             parts: Path) -> _Trainee:
     torch.manual_seed(cfg.seed)
     sequences, ids, probs = teacher["sequences"], teacher["label_ids"], teacher["label_probs"]
     if cfg.kind == "feature":
@@ -425,7 +456,7 @@ def _trainee(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: 
 
         draft = feature.from_target(target.model, teacher["head_ids"],
                                     tuple(cfg.feature_layers)).float()
-        states = teacher_features(out / "data" / "teacher", len(sequences))
+        states = teacher_features(parts, len(sequences))
         embedding = draft.embed.detach()
         return _Trainee(
             draft,
