@@ -66,7 +66,7 @@ def _distill(args: argparse.Namespace) -> int:
 
     overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
                  "steps": args.steps, "time_budget_min": args.time_budget_min,
-                 "extra_text": args.extra_text, "kind": args.kind}
+                 "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir}
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
     print(f"draft written to {manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--kind", choices=("model", "feature"),
                       help="model: a small independent draft (default); feature: one layer "
                            "reading the target's hidden states (needs feature_layers)")
+    dist.add_argument("--data-dir", help="where responses and labels live (default OUT/data); "
+                                         "another run's, to train on its data")
     dist.add_argument("--steps", type=int)
     dist.add_argument("--time-budget-min", type=float)
     dist.set_defaults(func=_distill)

@@ -235,3 +235,33 @@ def test_a_second_draft_trains_on_another_runs_data_folder(setup):
     assert manifest["stages"]["teacher_labels"] == first["stages"]["teacher_labels"]
     with pytest.raises(DraftctlError, match=r"other data settings \(max_new_tokens\)"):
         run_distill(replace(second, max_new_tokens=12))
+
+
+def test_a_killed_response_stage_keeps_its_batches_in_the_ledger(setup, monkeypatch):
+    """The stage ledger is written batch by batch: a run killed in its third batch has its
+    first two counted, and the resumed run adds the rest, so the recipe's totals add up."""
+    from transformers import GenerationMixin
+
+    _, config = setup
+    real = GenerationMixin.generate
+    calls = {"n": 0}
+
+    def dying(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(config)
+    data = Path(config.out) / "data"
+    killed = distill_run.read_stages(data)["responses"]
+    assert killed["runs"] == 1 and killed["responses"] == 8 and killed["seconds"] > 0
+    monkeypatch.setattr(GenerationMixin, "generate", real)
+    manifest = run_distill(config)
+    assert manifest["stages"]["responses"]["responses"] == 24
+    assert manifest["stages"]["responses"]["runs"] == 2
+    lines = (data / "responses.jsonl").read_text().splitlines()
+    assert len(lines) == 24 and len({(json.loads(x)["question_id"], json.loads(x)["sample"])
+                                     for x in lines}) == 24

@@ -15,7 +15,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -48,12 +48,14 @@ def _done_keys(path: Path) -> set[tuple[int, int]]:
 def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, *,
                        samples_per_prompt: int, max_new_tokens: int, temperature: float,
                        top_p: float, batch_size: int, max_prompt_tokens: int, seed: int,
-                       eos_ids: Iterable[int]) -> dict:
+                       eos_ids: Iterable[int],
+                       on_batch: Callable[[dict], None] | None = None) -> dict:
     """Append ``{"question_id", "sample", "prompt_ids", "response_ids"}`` rows to ``path``.
 
     Sample 0 is greedy; samples 1.. are drawn at ``temperature`` / ``top_p``. Each batch is
     seeded from (seed, its first key), so a resumed run draws what a straight run would.
-    Returns what this call wrote: ``{"responses", "tokens", "seconds"}``.
+    Returns what this call wrote: ``{"responses", "tokens", "seconds"}``; ``on_batch`` hears
+    the same of each batch once it is on disk (a stage ledger that a kill does not lose).
     """
     started = time.perf_counter()
     written = tokens = 0
@@ -75,6 +77,7 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
     bar = tqdm(total=len(jobs), desc="target responses", unit="resp")
     with path.open("a", encoding="utf-8") as out:
         for batch in batches:
+            batch_started, batch_tokens = time.perf_counter(), tokens
             greedy = batch[0][1] == 0
             width = max(len(j[2]) for j in batch)
             input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -99,6 +102,9 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
             out.flush()
             os.fsync(out.fileno())
             bar.update(len(batch))
+            if on_batch is not None:
+                on_batch({"responses": len(batch), "tokens": tokens - batch_tokens,
+                          "seconds": time.perf_counter() - batch_started})
     bar.close()
     return {"responses": written, "tokens": tokens, "seconds": time.perf_counter() - started}
 
@@ -109,14 +115,15 @@ def read_stages(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def record_stage(folder: Path, stage: str, done: dict) -> dict:
+def record_stage(folder: Path, stage: str, done: dict, new_run: bool = True) -> dict:
     """Add what a run of ``stage`` did (``seconds`` and counts) to ``folder/stages.json``, so
     that the figures of a recipe that was interrupted and resumed add up; returns them all,
-    with ``tokens_per_s`` where tokens were counted."""
+    with ``tokens_per_s`` where tokens were counted. ``new_run=False`` adds to the current
+    run (work recorded as it is done)."""
     path = folder / "stages.json"
     stages = read_stages(folder)
     entry = stages.setdefault(stage, {"runs": 0})
-    entry["runs"] += 1
+    entry["runs"] += int(new_run)
     for key, value in done.items():
         entry[key] = entry.get(key, 0) + value
     if entry.get("tokens") and entry.get("seconds"):
@@ -125,6 +132,13 @@ def record_stage(folder: Path, stage: str, done: dict) -> dict:
     tmp.write_text(json.dumps(stages, indent=2))
     os.replace(tmp, path)
     return stages
+
+
+def ledger(folder: Path, stage: str) -> Callable[[dict], None]:
+    """Count a new run of ``stage`` in ``folder/stages.json`` and return the callback that
+    adds each piece of its work there as it is done (``on_batch`` of ``generate_responses``)."""
+    record_stage(folder, stage, {})
+    return lambda done: record_stage(folder, stage, done, new_run=False)
 
 
 def read_responses(path: Path) -> list[dict]:

@@ -249,7 +249,7 @@ def excluded_texts(cfg: PoolConfig) -> tuple[list[str], list[str]]:
 
 def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
     """Build (or finish building) the pool in ``cfg.out``; returns its manifest."""
-    from draftctl.distill.data import generate_responses, read_responses, record_stage
+    from draftctl.distill.data import generate_responses, ledger, read_responses, read_stages
     from draftctl.distill.run import target_dtype
     from draftctl.models import load_model
 
@@ -265,12 +265,13 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
 
     generated = out / "self_instruct.jsonl"
     target = load_model(cfg.target, cfg.device, target_dtype(cfg.target, cfg.device, cfg.dtype))
-    stages = record_stage(out, "requests", generate_responses(
+    generate_responses(
         target.model, target.tokenizer,
         [Prompt(r["id"], r["category"], (r["instruction"],)) for r in requests], generated,
         samples_per_prompt=1, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, batch_size=cfg.batch, max_prompt_tokens=512, seed=cfg.seed,
-        eos_ids=target.eos_token_ids))
+        eos_ids=target.eos_token_ids, on_batch=ledger(out, "requests"))
+    stages = read_stages(out)
     by_id = {r["id"]: r for r in requests}
     rag_templates = seeds["passage_tasks"]["rag"]
     rejected = 0

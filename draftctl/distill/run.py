@@ -30,6 +30,7 @@ from draftctl.config import save_config
 from draftctl.distill.data import (
     choose_head_ids,
     generate_responses,
+    ledger,
     ranked_tokens,
     read_responses,
     read_stages,
@@ -172,7 +173,8 @@ def _atomic_save(obj, path: Path) -> None:
 def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, *,
                    prompt_loss: bool = False, batch_tokens: int = 2048,
                    folder: Path | None = None, feature_layers: Sequence[int] = (),
-                   part_tokens: int = 100_000) -> dict:
+                   part_tokens: int = 100_000,
+                   on_part: Callable[[dict], None] | None = None) -> dict:
     """Per labelled position: the target's top-k probabilities over the head tokens; and,
     with ``feature_layers``, the target's hidden states (``output_hidden_states`` indices) at
     every position, for feature-level drafts.
@@ -182,7 +184,8 @@ def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, 
     run through the target in batches of similar length, right-padded (the model is causal,
     so padding after a sequence does not change its logits). With ``folder``, every part of
     about ``part_tokens`` tokens is saved there atomically as it is done, and a rerun loads
-    the parts it finds instead of computing them again.
+    the parts it finds instead of computing them again; ``on_part`` hears the tokens and
+    seconds of each part computed (not of those loaded).
 
     Returns {"sequences": [(tokens (L,), first labelled position)], "label_ids": [(n, k) head
     indices], "label_probs": [(n, k)], "features": [(L, layers, H) float16] or None}, in
@@ -225,6 +228,7 @@ def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, 
                 raise DraftctlError(f"{path} was labelled from other responses or layers; "
                                     f"remove {folder} to label again")
         else:
+            part_started = time.perf_counter()
             saved = {"index": index, "layers": list(feature_layers), "labels": [],
                      "features": []}
             for group in part:
@@ -232,6 +236,9 @@ def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, 
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _atomic_save(saved, path)
+            if on_part is not None:
+                on_part({"tokens": sum(len(items[i][0]) for i in index),
+                         "seconds": time.perf_counter() - part_started})
         for k, i in enumerate(index):
             labels[i] = saved["labels"][k]
             if features is not None:
@@ -329,12 +336,14 @@ def run_distill(cfg: DistillConfig) -> dict:
     common = {"max_prompt_tokens": cfg.max_prompt_tokens, "temperature": cfg.temperature,
               "top_p": cfg.top_p, "batch_size": cfg.gen_batch, "seed": cfg.seed,
               "eos_ids": target.eos_token_ids}
-    record_stage(data, "responses", generate_responses(
+    generate_responses(
         target.model, target.tokenizer, prompts, data / "responses.jsonl",
-        samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens, **common))
-    record_stage(data, "eval_responses", generate_responses(
+        samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
+        on_batch=ledger(data, "responses"), **common)
+    generate_responses(
         target.model, target.tokenizer, eval_prompts, data / "eval.jsonl",
-        samples_per_prompt=0, max_new_tokens=cfg.eval_max_new_tokens, **common))
+        samples_per_prompt=0, max_new_tokens=cfg.eval_max_new_tokens,
+        on_batch=ledger(data, "eval_responses"), **common)
     rows = read_responses(data / "responses.jsonl")
     texts = text_rows(target.tokenizer, cfg.extra_text, cfg.text_chunk_tokens)
     eval_rows = read_responses(data / "eval.jsonl")
@@ -349,17 +358,14 @@ def run_distill(cfg: DistillConfig) -> dict:
                                       cfg.head_coverage)["head_size"]
         head_ids = choose_head_ids(rows + texts["rows"], head_size, target.eos_token_ids,
                                    len(target.tokenizer))
-        labels_started = time.perf_counter()
         labelled = teacher_labels(target.model, rows + texts["rows"], head_ids,
                                   cfg.teacher_top_k, prompt_loss=cfg.prompt_loss,
                                   folder=data / "teacher",
-                                  feature_layers=cfg.feature_layers)
+                                  feature_layers=cfg.feature_layers,
+                                  on_part=ledger(data, "teacher_labels"))
         labelled.pop("features")  # they stay in the parts; feature drafts load them there
         teacher = {"head_ids": head_ids, **labelled}
         _atomic_save(teacher, teacher_path)
-        record_stage(data, "teacher_labels", {
-            "seconds": time.perf_counter() - labels_started,
-            "tokens": sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)})
 
     trainee = _trainee(cfg, target, teacher, eval_rows, data / "teacher")
     train_started = time.perf_counter()
