@@ -36,7 +36,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draftctl.controllers import make_controller
 from draftctl.controllers.base import Action, Controller
-from draftctl.decode.features import FeatureRecord, SequenceState, distribution_stats
+from draftctl.decode.features import (
+    FeatureRecord,
+    SequenceState,
+    draft_stats,
+    entropy,
+    token_classes,
+)
 from draftctl.decode.loop import RoundRecord
 from draftctl.decode.verify import overlap
 from draftctl.distill.model import DraftLM
@@ -132,24 +138,24 @@ class _AskController(StoppingCriteria):
     def __init__(self, generator: ControlledCandidateGenerator, logits: _LastLogits,
                  start: int):
         self.generator, self.logits, self.start = generator, logits, start
-        self.cum_top1 = 1.0
         self.discard = False
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         gen = self.generator
         depth = input_ids.shape[1] - self.start
-        probs = torch.softmax(self.logits.logits[:gen.vocab_size].float(), dim=-1)
-        stat = distribution_stats(probs[None])
-        action, record, _ = ask_controller(gen.controller, stat, depth, self.cum_top1,
-                                           gen.state, input_ids[0, -1])
+        probs = torch.softmax(self.logits.logits[:gen.vocab_size].float(), dim=-1)[None]
+        token = input_ids[0, -1:]
+        stat = draft_stats(probs, token, token, gen.token_classes)
+        action, record, _ = ask_controller(gen.controller, stat, depth,
+                                           gen.records[-1] if gen.records else None, gen.state,
+                                           token)
         if not gen.controller.reads_features:
             action = Action.CONTINUE
         if action is Action.DISCARD:
             self.discard = True
         else:
             gen.records.append(record)
-            gen.raw_probs.append(probs)
-            self.cum_top1 = record.cum_top1
+            gen.raw_probs.append(probs[0])
         stop = action is not Action.CONTINUE
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -159,7 +165,7 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
     each round's draft length token by token (instead of ``num_assistant_tokens`` schedules)."""
 
     def __init__(self, *args, controller: Controller, vocab_size: int, max_draft: int,
-                 **kwargs):
+                 token_classes: torch.Tensor | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # transformers' own rule (stop below a confidence threshold, 0.4 by default) would end
         # drafts the controller asked to go on with; 0 turns it off (None means "default")
@@ -167,6 +173,7 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
         self.controller = controller
         self.vocab_size = vocab_size
         self.max_draft = max_draft
+        self.token_classes = token_classes
         self.records: list[FeatureRecord] = []
         self.raw_probs: list[torch.Tensor] = []  # (V,) temperature-1 draft softmax per token
         self.state: SequenceState | None = None
@@ -195,7 +202,9 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
                                   num_matches: int) -> None:
         accepted = int(num_matches)
         self.controller.observe(self.records, accepted)
-        self.state = self.state.after_round(input_ids.shape[1], len(self.records), accepted)
+        self.state = self.state.after_round(
+            input_ids.shape[1], len(self.records), accepted,
+            float(entropy(scores[0, accepted, :self.vocab_size])))
 
 
 class RoundRecorder:
@@ -296,7 +305,8 @@ def run(model, input_ids: torch.Tensor, assistant_model,
     """``model.generate(input_ids, assistant_model=..., **generate_kwargs)``, recording every
     round. ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
     length; one of transformers' own schedules (``hf:...``, see ``own_schedule``); or None:
-    transformers' schedule as the assistant's generation config sets it."""
+    transformers' schedule as the assistant's generation config sets it. A ``tokenizer`` in
+    ``generate_kwargs`` (generate() takes one) gives the records their token classes."""
     check_transformers()
     schedule = {}
     if isinstance(controller, str) and controller.startswith(OWN):
@@ -315,6 +325,8 @@ def run(model, input_ids: torch.Tensor, assistant_model,
     if max_draft < 1:
         raise HFEngineError(f"max_draft must be >= 1, got {max_draft}")
     do_sample = generate_kwargs.get("do_sample", model.generation_config.do_sample)
+    tokenizer = generate_kwargs.get("tokenizer")  # generate() takes it; it names token classes
+    classes = token_classes(tokenizer) if tokenizer is not None else None
     own = type(model)._get_candidate_generator
     recorders: list[RoundRecorder] = []
 
@@ -327,7 +339,7 @@ def run(model, input_ids: torch.Tensor, assistant_model,
             inner = ControlledCandidateGenerator(
                 input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor,
                 logits_processor, controller=controller, vocab_size=target_vocab,
-                max_draft=max_draft)
+                max_draft=max_draft, token_classes=classes)
         recorders.append(RoundRecorder(inner, target_vocab, greedy=not do_sample))
         return recorders[-1]
 

@@ -1,6 +1,7 @@
 """Collect traces on a tiny model pair, replay them, and survive crashes."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -116,6 +117,15 @@ def test_batched_dense_rows_equal_step_by_step_drafting(tiny_models):
         truth = seq[len(prompt) + t:len(prompt) + t + 5]
         match = next((j for j, (a, b) in enumerate(zip(expect, truth)) if a != b), len(truth))
         assert rows[t * 5]["match_len"] == match
+    # the target's entropy over each round's first input token, as the live decoder sees it
+    with torch.no_grad():
+        target_logits = target(torch.tensor([seq])).logits[0].float()
+    entropies = torch.special.entr(torch.softmax(target_logits, -1)).sum(-1)
+    for t in range(len(output)):
+        for row in rows[t * 5:t * 5 + 5]:
+            assert row["target_entropy"] == pytest.approx(float(entropies[len(prompt) + t - 2]),
+                                                          abs=1e-4)
+            assert row["cum_logq"] == pytest.approx(math.log(row["cum_top1"]), abs=1e-5)
 
 
 def test_probe_rows_are_readable_with_datasets_and_consistent(pair, tmp_path):

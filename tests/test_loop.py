@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch
 from draftctl.controllers import REGISTRY, make_controller
 from draftctl.decode import DecodeInputError, generate
 from draftctl.decode.cached_lm import PassShape
+from draftctl.decode.features import FeatureRecord, SequenceState, make_record
 from tests.conftest import make_decoder, tiny_llama, tiny_pair
 
 ALL_SPECS = ["none", "static:1", "static:3", "static:8", "heuristic", "confidence:0.5",
@@ -181,3 +183,53 @@ def test_logits_past_the_vocabulary_never_become_tokens():
     padded = make_decoder(target, target, max_new_tokens=20, vocab_size=50)
     for spec in ("none", "static:3"):
         assert max(generate(padded, [1, 2, 3], make_controller(spec)).output_ids) < 50
+
+
+def test_records_carry_the_targets_entropy_and_the_drafts_path_probability(tiny_models):
+    """Schema v3: ``target_entropy`` is the entropy of the target's distribution over the
+    round's first input token (the prompt's last token, then each round's correction or bonus
+    token); ``cum_logq`` sums the log draft probabilities of the round's tokens, which is
+    ``log cum_top1`` when drafting greedily and not when sampling."""
+    target, draft = tiny_models
+    prompt = [5, 6, 7, 8]
+    decoder = make_decoder(target, draft, max_new_tokens=24)
+    rounds = list(decoder.rounds(prompt, make_controller("static:3")))
+    seq = prompt + [t for r in rounds for t in r.new_tokens]
+    with torch.no_grad():
+        logits = target(torch.tensor([seq])).logits[0].float()
+    entropies = torch.special.entr(torch.softmax(logits, -1)).sum(-1)
+    start = len(prompt)
+    for r in rounds[:-1]:  # the last round may have no room to draft
+        # the round starts after seq[:start]; its last token was chosen at position start - 2
+        assert r.features[0].target_entropy == pytest.approx(float(entropies[start - 2]),
+                                                             abs=1e-4)
+        assert len({f.target_entropy for f in r.features}) == 1
+        for f in r.features:
+            assert f.cum_logq == pytest.approx(math.log(f.cum_top1), abs=1e-5)
+        start += len(r.new_tokens)
+    sampled = make_decoder(target, draft, max_new_tokens=24, temperature=1.0)
+    rounds = list(sampled.rounds(prompt, make_controller("static:3"), seed=1))
+    gaps = [f.cum_logq - math.log(f.cum_top1) for r in rounds for f in r.features]
+    assert all(g <= 1e-6 for g in gaps) and min(gaps) < -1e-3  # sampled tokens: not the top
+
+
+def test_token_class_features_come_from_the_tokenizer():
+    """Each drafted token's class indicator follows its decoded text: a word after a space, a
+    word piece, digits, punctuation, whitespace; special tokens have none."""
+    from draftctl.decode.features import TOKEN_CLASS_FEATURES, classify_token, token_classes
+    from tests.test_models import word_tokenizer
+
+    assert [classify_token(t) for t in (" the", "ing", " 42", "3", ",", " (", "\n", "  ", "")] \
+        == [0, 1, 2, 2, 3, 3, 4, 4, -1]
+    tokenizer = word_tokenizer()
+    classes = token_classes(tokenizer)
+    assert classes.shape == (len(tokenizer),) and classes.dtype == torch.int8
+    for special in tokenizer.all_special_ids:
+        assert classes[special] == -1
+    words = [i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i).startswith("w")]
+    assert words and {int(classes[i]) for i in words} <= {0, 1}
+    record = make_record([0.5, *[0.1] * 10, 0.2, 3.0], 1, None, SequenceState(4))
+    assert dict(zip(TOKEN_CLASS_FEATURES, record.to_vector()[-9:-4])) == {
+        "tok_word_start": 0.0, "tok_word_piece": 0.0, "tok_digit": 0.0, "tok_punct": 1.0,
+        "tok_space": 0.0}
+    assert FeatureRecord.from_vector(record.to_vector()) == record

@@ -111,3 +111,33 @@ def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noq
     assert report["summary"] is None and report["test_replay"] == []
     assert report["dev_choices"]["static"].startswith("static:")
     assert "no test report" in (tmp_path / "m" / "report.md").read_text()
+
+
+def test_a_v3_controller_refuses_v2_traces_with_the_schema_error(pair, traces, tmp_path):  # noqa: F811
+    """Traces recorded under feature schema v2 (no cum_logq, target_entropy, token classes)
+    are refused by training and by replay, also when the controller replayed is a model
+    trained on v3 traces; a v2 model is refused by the decoder."""
+    import shutil
+
+    from draftctl.train.replay import replay
+
+    run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "v3"), grid=4))
+    export_onnx(tmp_path / "v3", tmp_path / "v3.onnx")
+    old = tmp_path / "v2-traces"
+    shutil.copytree(traces, old)
+    info = json.loads((old / "run.json").read_text())
+    info["feature_schema_version"] = 2
+    (old / "run.json").write_text(json.dumps(info))
+    with pytest.raises(SchemaMismatchError, match="recorded with feature schema v2; this "
+                                                  "draftctl reads v3"):
+        replay(old, [f"onnx:{tmp_path / 'v3.onnx'}"])
+    with pytest.raises(SchemaMismatchError, match="feature schema v2"):
+        run_train(TrainConfig(traces=str(old), kind="logreg", out=str(tmp_path / "x"), grid=4))
+    assert replay(traces, [f"onnx:{tmp_path / 'v3.onnx'}"])[0]["tokens"] > 0
+    model = onnx.load(str(tmp_path / "v3.onnx"))
+    props = {p.key: p.value for p in model.metadata_props} | {"draftctl_schema_version": "2"}
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(tmp_path / "v2.onnx"))
+    with pytest.raises(SchemaMismatchError, match="trained on feature schema v2"):
+        make_controller(f"onnx:{tmp_path / 'v2.onnx'}")

@@ -86,7 +86,7 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else \
         min(eos)
     kwargs = {"max_new_tokens": cfg.max_new_tokens, "do_sample": not greedy,
-              "eos_token_id": sorted(eos), "pad_token_id": pad}
+              "eos_token_id": sorted(eos), "pad_token_id": pad, "tokenizer": target.tokenizer}
     if not greedy:
         kwargs |= {"temperature": cfg.temperature, "top_k": cfg.top_k or None,
                    "top_p": cfg.top_p}

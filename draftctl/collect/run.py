@@ -22,7 +22,8 @@ from draftctl.decode.features import (
     FEATURE_NAMES,
     SCHEMA_VERSION,
     SequenceState,
-    distribution_stats,
+    draft_stats,
+    entropy,
     make_record,
 )
 from draftctl.drafters.retrieval import RetrievalDrafter
@@ -108,6 +109,14 @@ def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int,
         return []
     seq = torch.tensor(prompt_ids + output, device=decoder.device)
     n_prompt, n_out = len(prompt_ids), len(output)
+    # the target's entropy over each output token (and the last prompt token): what a round
+    # starting after it knows of the target (``target_entropy``), from one teacher-forced pass
+    target = decoder.target
+    target.reset()
+    target_entropy = entropy(target.prefill(seq[:-1], keep=n_out + 1)).tolist() \
+        if n_prompt > 1 else [0.0] + entropy(target.prefill(seq[:-1], keep=n_out)).tolist()
+    target.reset()
+    classes = decoder.drafter.token_classes
     lm = decoder.drafter.lm
     lm.reset()
     logits = lm.forward(seq[:-1], keep=n_out)  # (T, V): row t continues seq[:n_prompt + t]
@@ -118,26 +127,27 @@ def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int,
     own = torch.eye(n_out, dtype=torch.bool, device=decoder.device)
     tokens, stats = [], []
     for step in range(k_probe):
-        stats.append(distribution_stats(torch.softmax(logits.float(), -1)))
         tokens.append(logits.argmax(dim=-1))
+        stats.append(draft_stats(torch.softmax(logits.float(), -1), tokens[-1], tokens[-1],
+                                 classes))
         if step + 1 == k_probe:
             break
         allowed = torch.cat([prefix_ok, *([own] * (step + 1))], dim=1)
         logits = lm.forward_masked(tokens[-1], context_len + step, allowed)
     lm.reset()
     drafted = torch.stack(tokens, dim=1).tolist()  # (T, k_probe)
-    stats = torch.stack(stats, dim=1).tolist()  # (T, k_probe, 1 + TOP_K)
+    stats = torch.stack(stats, dim=1).tolist()  # (T, k_probe, STATS)
     seq = seq.tolist()
     rows = []
     for t in range(n_out):
         truth = seq[n_prompt + t:n_prompt + t + k_probe]
         match = next((j for j, (a, b) in enumerate(zip(drafted[t], truth)) if a != b),
                      min(len(truth), k_probe))
-        state = SequenceState(n_prompt + t)  # history features are rebuilt at replay
-        cum = 1.0
+        # history features are rebuilt at replay
+        state = SequenceState(n_prompt + t, target_entropy=target_entropy[t])
+        record = None
         for j in range(k_probe):
-            record = make_record(stats[t][j], j + 1, cum, state)
-            cum = record.cum_top1
+            record = make_record(stats[t][j], j + 1, record, state)
             rows.append({"run_id": run_id, "prompt_id": prompt_id, "category": category,
                          "round": t, "position": j + 1, **record.as_row(),
                          "draft_token": drafted[t][j],

@@ -16,15 +16,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from draftctl.controllers.base import Action, Controller
-from draftctl.decode.features import FEATURE_NAMES, SCHEMA_VERSION
+from draftctl.decode.features import FEATURE_NAMES, SCHEMA_VERSION, SchemaMismatchError
 from draftctl.errors import DraftctlError
 
 if TYPE_CHECKING:  # the decoder imports controllers; annotations only
     from draftctl.decode.features import FeatureRecord
-
-
-class SchemaMismatchError(DraftctlError):
-    """A model's feature schema that the decoder's feature record cannot feed."""
 
 
 class ScoreThreshold(Controller):

@@ -275,10 +275,13 @@ class CachedLM:
         return self._pass(tokens, len(tokens), None, keep).logits
 
     @torch.inference_mode()
-    def prefill_hidden(self, tokens: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
-        """Feed a prompt as ``prefill`` does; return the hidden states (n, len(layers), H) of
-        every token at ``layers`` (``output_hidden_states`` indices: 0 is the embedding)."""
-        return self._pass(tokens, len(tokens), None, 1, layers).hidden
+    def prefill_hidden(self, tokens: torch.Tensor,
+                       layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed a prompt as ``prefill`` does; return the last token's logits (1, vocab) and
+        the hidden states (n, len(layers), H) of every token at ``layers``
+        (``output_hidden_states`` indices: 0 is the embedding)."""
+        out = self._pass(tokens, len(tokens), None, 1, layers)
+        return out.logits, out.hidden
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, last_only: bool = False,

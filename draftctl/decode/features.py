@@ -12,15 +12,21 @@ carry no signal (SVIP's reference code computes its entropy the same way).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-SCHEMA_VERSION = 2
+from draftctl.errors import DraftctlError
+
+SCHEMA_VERSION = 3
 TOP_K = 10
 
 # Retrieval (REST) drafts only; 0 for model drafts.
 RETRIEVAL_FEATURES = ("suffix_len", "occurrences", "node_share", "token_share")
+# The drafted token's class (``token_classes``), one indicator each; all 0 when unknown.
+TOKEN_CLASSES = ("word_start", "word_piece", "digit", "punct", "space")
+TOKEN_CLASS_FEATURES = tuple(f"tok_{name}" for name in TOKEN_CLASSES)
 
 FEATURE_NAMES: tuple[str, ...] = (
     "draft_pos",
@@ -29,11 +35,45 @@ FEATURE_NAMES: tuple[str, ...] = (
     *(f"top_prob_{i}" for i in range(1, TOP_K + 1)),
     "margin",
     "cum_top1",
+    "cum_logq",
+    "target_entropy",
     "prev_accepted",
     "prev_drafted",
     "accept_rate",
+    *TOKEN_CLASS_FEATURES,
     *RETRIEVAL_FEATURES,
 )
+
+# Feature groups, for ablations (drop one group at a time) and documentation.
+FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
+    "position": ("draft_pos", "seq_pos"),
+    "draft_distribution": ("entropy", *(f"top_prob_{i}" for i in range(1, TOP_K + 1)),
+                           "margin"),
+    "draft_path": ("cum_top1", "cum_logq"),
+    "target": ("target_entropy",),
+    "history": ("prev_accepted", "prev_drafted", "accept_rate"),
+    "token_class": TOKEN_CLASS_FEATURES,
+    "retrieval": RETRIEVAL_FEATURES,
+}
+assert sum(map(len, FEATURE_GROUPS.values())) == len(FEATURE_NAMES)
+
+class SchemaMismatchError(DraftctlError):
+    """Features recorded (traces) or expected (a model) under another schema version."""
+
+
+def check_trace_schema(info: dict, folder) -> None:
+    """Refuse traces whose ``run.json`` records another feature schema than this draftctl's."""
+    version = info.get("feature_schema_version")
+    if version != SCHEMA_VERSION:
+        raise SchemaMismatchError(f"traces in {folder} were recorded with feature schema "
+                                  f"v{version}; this draftctl reads v{SCHEMA_VERSION}: collect "
+                                  "them again")
+
+
+# A drafted token's statistics row (``draft_stats``): its distribution's entropy and top
+# probabilities, the token's own probability, and its class (-1: unknown).
+STATS = 1 + TOP_K + 2
+_LOG_FLOOR = -30.0  # log q of a token the draft gave (almost) no mass: retrieval leftovers
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +85,16 @@ class FeatureRecord:
     entropy: full-vocabulary entropy in nats of the draft distribution at this step.
     top_probs: the ``TOP_K`` largest draft probabilities, descending (zero-padded).
     cum_top1: product of the top-1 probabilities of this and earlier tokens of the round.
+    cum_logq: sum of the log draft probabilities of this and earlier drafted tokens of the
+        round (their path's log-probability; ``log cum_top1`` when drafting greedily).
+    target_entropy: entropy (nats, temperature 1) of the target's distribution at the last
+        position it verified, the one that chose the round's first input token (0 for tree
+        drafts, whose verification keeps only argmaxes).
     prev_accepted, prev_drafted: the previous round's accepted and drafted counts (0 at first).
     accept_rate: running acceptance rate of the sequence, Laplace-smoothed:
         ``(accepted + 1) / (drafted + 2)`` over earlier rounds (0.5 before any draft).
+    token_class: the drafted token's class, an index into ``TOKEN_CLASSES`` (``token_classes``
+        of the tokenizer), -1 when unknown; it enters the vector as ``tok_*`` indicators.
 
     Retrieval drafts (a trie of datastore continuations, ``draft_pos`` = node depth) have no
     draft model: their distribution is the trie's, ``q(child) = count(child) /
@@ -67,6 +114,9 @@ class FeatureRecord:
     prev_accepted: int
     prev_drafted: int
     accept_rate: float
+    cum_logq: float = 0.0
+    target_entropy: float = 0.0
+    token_class: int = -1
     suffix_len: int = 0
     occurrences: int = 0
     node_share: float = 0.0
@@ -75,10 +125,17 @@ class FeatureRecord:
     @classmethod
     def from_vector(cls, values) -> FeatureRecord:
         """Inverse of ``to_vector`` (e.g. a trace row's feature columns, in order)."""
-        v = [float(x) for x in values]
-        n = len(FEATURE_NAMES) - len(RETRIEVAL_FEATURES)
-        return cls(int(v[0]), int(v[1]), v[2], tuple(v[3:3 + TOP_K]), v[n - 4], int(v[n - 3]),
-                   int(v[n - 2]), v[n - 1], int(v[n]), int(v[n + 1]), v[n + 2], v[n + 3])
+        row = dict(zip(FEATURE_NAMES, (float(x) for x in values)))
+        classes = [row[name] for name in TOKEN_CLASS_FEATURES]
+        return cls(
+            draft_pos=int(row["draft_pos"]), seq_pos=int(row["seq_pos"]), entropy=row["entropy"],
+            top_probs=tuple(row[f"top_prob_{i}"] for i in range(1, TOP_K + 1)),
+            cum_top1=row["cum_top1"], prev_accepted=int(row["prev_accepted"]),
+            prev_drafted=int(row["prev_drafted"]), accept_rate=row["accept_rate"],
+            cum_logq=row["cum_logq"], target_entropy=row["target_entropy"],
+            token_class=classes.index(1.0) if 1.0 in classes else -1,
+            suffix_len=int(row["suffix_len"]), occurrences=int(row["occurrences"]),
+            node_share=row["node_share"], token_share=row["token_share"])
 
     @property
     def top1_prob(self) -> float:
@@ -92,9 +149,11 @@ class FeatureRecord:
     def to_vector(self) -> list[float]:
         """Values in ``FEATURE_NAMES`` order."""
         return [float(self.draft_pos), float(self.seq_pos), self.entropy, *self.top_probs,
-                self.margin, self.cum_top1, float(self.prev_accepted),
-                float(self.prev_drafted), self.accept_rate, float(self.suffix_len),
-                float(self.occurrences), self.node_share, self.token_share]
+                self.margin, self.cum_top1, self.cum_logq, self.target_entropy,
+                float(self.prev_accepted), float(self.prev_drafted), self.accept_rate,
+                *(float(self.token_class == k) for k in range(len(TOKEN_CLASSES))),
+                float(self.suffix_len), float(self.occurrences), self.node_share,
+                self.token_share]
 
     def as_row(self) -> dict[str, float]:
         """A flat mapping ``FEATURE_NAMES -> value``, the collector's row layout."""
@@ -110,14 +169,16 @@ class SequenceState:
     prev_drafted: int = 0
     total_accepted: int = 0
     total_drafted: int = 0
+    target_entropy: float = 0.0
 
     @property
     def accept_rate(self) -> float:
         return (self.total_accepted + 1) / (self.total_drafted + 2)
 
-    def after_round(self, seq_len: int, drafted: int, accepted: int) -> SequenceState:
+    def after_round(self, seq_len: int, drafted: int, accepted: int,
+                    target_entropy: float = 0.0) -> SequenceState:
         return SequenceState(seq_len, accepted, drafted, self.total_accepted + accepted,
-                             self.total_drafted + drafted)
+                             self.total_drafted + drafted, target_entropy)
 
 
 def distribution_stats(probs: torch.Tensor) -> torch.Tensor:
@@ -134,31 +195,82 @@ def distribution_stats(probs: torch.Tensor) -> torch.Tensor:
     return torch.cat([entropy, top], dim=-1)
 
 
-def make_record(stats: list[float], draft_pos: int, cum_top1: float,
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of ``softmax(logits)`` at temperature 1: (..., V) -> (...)."""
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def draft_stats(probs: torch.Tensor, picked: torch.Tensor, tokens: torch.Tensor,
+                classes: torch.Tensor | None) -> torch.Tensor:
+    """A drafted token's statistics row: ``distribution_stats(probs)``, the token's own
+    probability and its class. probs: (n, W) (the vocabulary, or a draft's head); picked: (n,)
+    the tokens' columns in ``probs``; tokens: (n,) their vocabulary ids, for ``classes`` (V,)
+    (None: unknown, -1). Returns (n, STATS) on the device of ``probs``."""
+    own = probs.gather(-1, picked.view(-1, 1))
+    kind = classes[tokens.view(-1)].to(probs.dtype).view(-1, 1) if classes is not None else \
+        torch.full_like(own, -1.0)
+    return torch.cat([distribution_stats(probs), own, kind], dim=-1)
+
+
+def make_record(stats: list[float], draft_pos: int, previous: FeatureRecord | None,
                 state: SequenceState) -> FeatureRecord:
     """Build the record of the ``draft_pos``-th token of a round from its host-side stats.
 
-    stats: one row of ``distribution_stats`` as a list; cum_top1: product of the top-1
-    probabilities of the earlier tokens of the round (1.0 for the first).
+    stats: one ``draft_stats`` row as a list; previous: the record of the round's token before
+    it (None for the first), whose path features this one extends.
     """
+    top, own = stats[1:1 + TOP_K], stats[1 + TOP_K]
+    log_q = max(_LOG_FLOOR, math.log(own)) if own > 0 else _LOG_FLOOR
     return FeatureRecord(
         draft_pos=draft_pos,
         seq_pos=state.seq_len + draft_pos - 1,
         entropy=stats[0],
-        top_probs=tuple(stats[1:]),
-        cum_top1=cum_top1 * stats[1],
+        top_probs=tuple(top),
+        cum_top1=(previous.cum_top1 if previous else 1.0) * top[0],
+        cum_logq=(previous.cum_logq if previous else 0.0) + log_q,
+        target_entropy=state.target_entropy,
         prev_accepted=state.prev_accepted,
         prev_drafted=state.prev_drafted,
         accept_rate=state.accept_rate,
+        token_class=int(stats[2 + TOP_K]),
     )
 
 
 def records_from_stats(stats_rows: list[list[float]], state: SequenceState) -> list[FeatureRecord]:
     """Records for a whole round from its stacked host-side stats (one transfer per round)."""
-    records, cum = [], 1.0
+    records: list[FeatureRecord] = []
     for i, row in enumerate(stats_rows):
-        rec = make_record(row, i + 1, cum, state)
-        records.append(rec)
-        cum = rec.cum_top1
+        records.append(make_record(row, i + 1, records[-1] if records else None, state))
     return records
 
+
+def classify_token(text: str) -> int:
+    """The ``TOKEN_CLASSES`` index of a token's decoded text (-1: empty)."""
+    if not text:
+        return -1
+    body = text.lstrip(" ")
+    if not body.strip():
+        return TOKEN_CLASSES.index("space")
+    if body.isalpha():
+        return TOKEN_CLASSES.index("word_start" if body != text else "word_piece")
+    if any(c.isdigit() for c in body) and not any(c.isalpha() for c in body):
+        return TOKEN_CLASSES.index("digit")
+    if any(c.isalpha() for c in body):  # letters mixed with symbols: a word-like piece
+        return TOKEN_CLASSES.index("word_start" if body != text else "word_piece")
+    return TOKEN_CLASSES.index("punct")
+
+
+_CLASSES: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def token_classes(tokenizer) -> torch.Tensor:
+    """(V,) int8: every token id's class (``classify_token`` of its decoded text; special
+    tokens -1). Computed once per tokenizer and process."""
+    key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer))
+    if key not in _CLASSES:
+        ids = list(range(len(tokenizer)))
+        texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
+        special = set(tokenizer.all_special_ids)
+        _CLASSES[key] = torch.tensor([-1 if i in special else classify_token(t)
+                                      for i, t in zip(ids, texts)], dtype=torch.int8)
+    return _CLASSES[key]

@@ -21,7 +21,13 @@ import torch
 from draftctl.controllers.base import Controller
 from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode.cached_lm import CachedLM, PassShape
-from draftctl.decode.features import FeatureRecord, SequenceState, records_from_stats
+from draftctl.decode.features import (
+    FeatureRecord,
+    SequenceState,
+    entropy,
+    records_from_stats,
+    token_classes,
+)
 from draftctl.decode.tree import verify_tree
 from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
 from draftctl.drafters import Draft, Drafter, model_drafter
@@ -178,6 +184,8 @@ class SpeculativeDecoder:
                 raise DecodeInputError(f"draft is on {draft.device}, target on {target.device}")
             context = min(context, draft.context_length)
             drafter = model_drafter(draft, len(target.tokenizer), config.sampling)
+        if drafter is not None:
+            drafter.token_classes = token_classes(target.tokenizer)
         return cls(target.model, drafter, vocab_size=len(target.tokenizer),
                    eos_ids=target.eos_token_ids, context_length=context, config=config)
 
@@ -212,12 +220,15 @@ class SpeculativeDecoder:
             self.drafter.reset()
         controller.reset()
         layers = self.drafter.hidden_layers if self.drafter is not None else ()
+        target_entropy = 0.0  # of the target's distribution over the last token it has seen
         if len(seq) > 1:  # all but the last token, which goes with the draft
             if layers:
-                self.drafter.accepted(len(seq) - 1, self.target.prefill_hidden(seq[:-1], layers))
+                logits, hidden = self.target.prefill_hidden(seq[:-1], layers)
+                self.drafter.accepted(len(seq) - 1, hidden)
             else:
-                self.target.prefill(seq[:-1])
-        state = SequenceState(len(seq))
+                logits = self.target.prefill(seq[:-1])
+            target_entropy = float(entropy(logits[-1]))
+        state = SequenceState(len(seq), target_entropy=target_entropy)
         produced, index = 0, 0
         watch = _Stopwatch(self.device)
         while produced < cfg.max_new_tokens and len(seq) < self.context_length:
@@ -237,8 +248,10 @@ class SpeculativeDecoder:
             if draft.is_tree and len(draft.tokens):
                 verdict, beta, target_argmax = self._verify_tree(seq, draft)
                 tried = [draft.records[k] for k in tried_chain(verdict.tree_path, draft.parents)]
+                target_entropy = 0.0  # a tree pass keeps argmaxes only
             else:
-                verdict, beta, target_argmax = self._verify(seq, draft, generator)
+                verdict, beta, target_argmax, target_entropy = self._verify(seq, draft,
+                                                                            generator)
                 tried = None
             n = verdict.n_accepted
             new = torch.cat([draft.tokens[verdict.path], verdict.next_token.view(1)])
@@ -262,16 +275,16 @@ class SpeculativeDecoder:
                 tree_parents=draft.parents or [])
             seq = torch.cat([seq, new])
             produced += len(new_host)
-            state = state.after_round(len(seq), len(records), n)
+            state = state.after_round(len(seq), len(records), n, target_entropy)
             index += 1
             if eos_at is not None:
                 return
 
     def _verify(self, seq: torch.Tensor, draft: Draft,
-                generator: torch.Generator) -> tuple[Verdict, torch.Tensor, torch.Tensor]:
+                generator: torch.Generator) -> tuple[Verdict, torch.Tensor, torch.Tensor, float]:
         """One target pass over the last token and a chain draft, then roll both caches back
-        to the accepted prefix. Returns the verdict, per-token beta (k,) and target argmax
-        (k,)."""
+        to the accepted prefix. Returns the verdict, per-token beta (k,), target argmax (k,)
+        and the entropy of the target's distribution at the round's next token."""
         k = draft.tokens.shape[0]
         fed = torch.cat([seq[len(self.target):], draft.tokens])
         layers = self.drafter.hidden_layers if self.drafter is not None else ()
@@ -295,7 +308,8 @@ class SpeculativeDecoder:
             verified = len(fed) - k + verdict.n_accepted
             self.drafter.accepted(len(seq) + verdict.n_accepted,
                                   hidden[:verified] if hidden is not None else None)
-        return verdict, beta, target_logits[:k].argmax(dim=-1)
+        return (verdict, beta, target_logits[:k].argmax(dim=-1),
+                float(entropy(target_logits[verdict.n_accepted])))
 
     def _verify_tree(self, seq: torch.Tensor,
                      draft: Draft) -> tuple[Verdict, torch.Tensor, torch.Tensor]:

@@ -16,14 +16,16 @@ from typing import Protocol
 import torch
 
 from draftctl.controllers.base import Action, Controller
-from draftctl.decode.features import TOP_K, FeatureRecord, SequenceState, make_record
+from draftctl.decode.features import STATS, FeatureRecord, SequenceState, make_record
 
 
-def ask_controller(controller: Controller, stat: torch.Tensor, depth: int, cum_top1: float,
-                   state: SequenceState, token: torch.Tensor) -> tuple[Action, FeatureRecord, float]:
+def ask_controller(controller: Controller, stat: torch.Tensor, depth: int,
+                   previous: FeatureRecord | None, state: SequenceState,
+                   token: torch.Tensor) -> tuple[Action, FeatureRecord, float]:
     """The controller's verdict on the drafted ``token`` at ``depth`` (1-based) of a chain:
-    (action, the token's feature record, seconds the decision took)."""
-    record = make_record(stat[0].tolist(), depth, cum_top1, state)
+    (action, the token's feature record, seconds the decision took). stat: (1, STATS), its
+    ``draft_stats`` row; previous: the record of the token before it in the round."""
+    record = make_record(stat[0].tolist(), depth, previous, state)
     if controller.reads_tokens:
         controller.see_token(int(token))
     start = time.perf_counter()
@@ -39,8 +41,8 @@ class Draft:
     parent index (-1: under the root), parents before children. raw_probs: (k, V)
     temperature-1 softmax (features, beta in greedy mode), None for drafts without a
     distribution (trees). q_draft: (k, V) processed distribution the tokens were sampled from,
-    or None in greedy mode. stats: (k, 1 + TOP_K) ``distribution_stats`` rows, or None when
-    ``records`` are given. records: the feature records, if built during drafting.
+    or None in greedy mode. stats: (k, STATS) ``draft_stats`` rows, or None when ``records``
+    are given. records: the feature records, if built during drafting.
     """
 
     tokens: torch.Tensor
@@ -58,7 +60,7 @@ class Draft:
     def empty(cls, vocab_size: int, device: torch.device) -> Draft:
         return cls(torch.empty(0, dtype=torch.long, device=device),
                    torch.empty(0, vocab_size, device=device), None,
-                   torch.empty(0, 1 + TOP_K, device=device), [])
+                   torch.empty(0, STATS, device=device), [])
 
     @property
     def is_tree(self) -> bool:
@@ -73,6 +75,9 @@ class Drafter(Protocol):
     #: Indices of the target's hidden states ``accepted`` wants (``output_hidden_states``
     #: order: 0 is the embedding output), or () when it needs none.
     hidden_layers: tuple[int, ...]
+    #: (V,) int8 class of every token id (``decode.features.token_classes``), or None: the
+    #: records' token class is then unknown. The decoder sets it from the target's tokenizer.
+    token_classes: torch.Tensor | None
 
     def reset(self) -> None:
         """Start a new sequence."""

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.cached_lm import BlockLayer
-from draftctl.decode.features import SequenceState, distribution_stats
+from draftctl.decode.features import SequenceState, draft_stats
 from draftctl.decode.verify import SamplingConfig
 from draftctl.distill.feature import FeatureDraftLM
 from draftctl.drafters.base import Draft, ask_controller
@@ -28,10 +28,12 @@ class FeatureDrafter:
 
     tree = False
 
-    def __init__(self, model: FeatureDraftLM, vocab_size: int, sampling: SamplingConfig):
+    def __init__(self, model: FeatureDraftLM, vocab_size: int, sampling: SamplingConfig,
+                 token_classes: torch.Tensor | None = None):
         self.model = model
         self.vocab_size = vocab_size
         self.sampling = sampling
+        self.token_classes = token_classes
         self.hidden_layers = model.feature_layers
         self.device = model.head.weight.device
         self.forwards = 0
@@ -77,30 +79,29 @@ class FeatureDrafter:
         feature, logits = out[-1:], logits[-1:]
         head_ids = self.model.head_ids
         tokens, raw, q_rows, stats, records = [], [], [], [], []
-        controller_s, calls, discarded, cum_top1 = 0.0, 0, 0, 1.0
+        controller_s, calls, discarded = 0.0, 0, 0
         for i in range(budget):
             if i:
                 out, logits = self._step(tokens[-1], feature, own=True)
                 feature = out
             probs = torch.softmax(logits.float(), dim=-1)  # (1, K): q is 0 off the head
-            stat = distribution_stats(probs)
             if self.sampling.greedy:
                 index = logits.argmax(dim=-1)
             else:
                 q = self.sampling.probs(logits)
                 index = torch.multinomial(q, 1, generator=generator)[0]
             token = head_ids[index]
+            stat = draft_stats(probs, index, token, self.token_classes)
             action = Action.CONTINUE
             if controller.reads_features:
-                action, record, seconds = ask_controller(controller, stat, i + 1, cum_top1,
-                                                         state, token)
+                action, record, seconds = ask_controller(
+                    controller, stat, i + 1, records[-1] if records else None, state, token)
                 controller_s += seconds
                 calls += 1
                 if action is Action.DISCARD:
                     discarded = 1
                     break
                 records.append(record)
-                cum_top1 = record.cum_top1
             tokens.append(token)
             raw.append(self._full(probs))
             stats.append(stat)

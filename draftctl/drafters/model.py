@@ -6,7 +6,7 @@ import torch
 
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.cached_lm import CachedLM
-from draftctl.decode.features import SequenceState, distribution_stats
+from draftctl.decode.features import SequenceState, draft_stats
 from draftctl.decode.verify import SamplingConfig
 from draftctl.drafters.base import Draft, ask_controller
 
@@ -22,9 +22,11 @@ class ModelDrafter:
     tree = False
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, lm: CachedLM, sampling: SamplingConfig):
+    def __init__(self, lm: CachedLM, sampling: SamplingConfig,
+                 token_classes: torch.Tensor | None = None):
         self.lm = lm
         self.sampling = sampling
+        self.token_classes = token_classes
 
     @property
     def forwards(self) -> int:
@@ -44,27 +46,26 @@ class ModelDrafter:
             return Draft.empty(self.lm.vocab_size, seq.device)
         forwards_before = self.lm.forwards
         tokens, raw, q_rows, stats, records = [], [], [], [], []
-        controller_s, calls, discarded, cum_top1 = 0.0, 0, 0, 1.0
+        controller_s, calls, discarded = 0.0, 0, 0
         inputs = seq[len(self.lm):]
         for i in range(budget):
             logits = self.lm.forward(inputs, last_only=True)  # (1, V)
             probs = torch.softmax(logits.float(), dim=-1)
-            stat = distribution_stats(probs)
             if self.sampling.greedy:
                 token = logits.argmax(dim=-1)
             else:
                 q = self.sampling.probs(logits)
                 token = torch.multinomial(q, 1, generator=generator)[0]
+            stat = draft_stats(probs, token, token, self.token_classes)
             if controller.reads_features:
-                action, record, seconds = ask_controller(controller, stat, i + 1, cum_top1,
-                                                         state, token)
+                action, record, seconds = ask_controller(
+                    controller, stat, i + 1, records[-1] if records else None, state, token)
                 controller_s += seconds
                 calls += 1
                 if action is Action.DISCARD:
                     discarded = 1
                     break
                 records.append(record)
-                cum_top1 = record.cum_top1
             tokens.append(token)
             raw.append(probs)
             stats.append(stat)

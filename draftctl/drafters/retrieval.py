@@ -25,8 +25,9 @@ class RetrievalDrafter:
     hidden_layers: tuple[int, ...] = ()
     forwards = 0
 
-    def __init__(self, retriever: Retriever):
+    def __init__(self, retriever: Retriever, token_classes: torch.Tensor | None = None):
         self.retriever = retriever
+        self.token_classes = token_classes
 
     def reset(self) -> None:
         pass
@@ -38,7 +39,7 @@ class RetrievalDrafter:
                 state: SequenceState, generator: torch.Generator) -> Draft:
         trie = self.retriever.lookup(seq.tolist(), max_depth=budget)
         start = time.perf_counter()
-        records = trie_records(trie, state)
+        records = trie_records(trie, state, self.token_classes)
         calls = 0
         if controller.reads_features and len(trie):
             keep, calls = prune(records, trie.parents.tolist(), controller)

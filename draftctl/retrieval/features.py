@@ -31,8 +31,10 @@ def _children_stats(shares: np.ndarray) -> tuple[float, tuple[float, ...]]:
     return entropy, tuple(float(x) for x in top)
 
 
-def trie_records(trie: Candidates, state: SequenceState) -> list[FeatureRecord]:
-    """One record per node of ``trie``, in its order (parents before children)."""
+def trie_records(trie: Candidates, state: SequenceState,
+                 token_classes=None) -> list[FeatureRecord]:
+    """One record per node of ``trie``, in its order (parents before children); the tokens'
+    classes from ``token_classes`` (V,), or unknown."""
     if len(trie) == 0:
         return []
     counts = trie.counts.astype(np.float64)
@@ -44,15 +46,20 @@ def trie_records(trie: Candidates, state: SequenceState) -> list[FeatureRecord]:
     for k, parent in enumerate(parents.tolist()):
         children.setdefault(parent, []).append(k)
     stats = {parent: _children_stats(token_share[kids]) for parent, kids in children.items()}
+    classes = token_classes[np.asarray(trie.tokens)].tolist() if token_classes is not None \
+        else [-1] * len(parents)
     records: list[FeatureRecord] = []
     for k, parent in enumerate(parents.tolist()):
         entropy, top = stats[parent]
-        cum = (records[parent].cum_top1 if parent >= 0 else 1.0) * top[0]
+        above = records[parent] if parent >= 0 else None
+        cum = (above.cum_top1 if above else 1.0) * top[0]
+        log_q = (above.cum_logq if above else 0.0) + float(np.log(token_share[k]))
         depth = int(trie.depths[k])
         records.append(FeatureRecord(
             draft_pos=depth, seq_pos=state.seq_len + depth - 1, entropy=entropy,
             top_probs=top, cum_top1=cum, prev_accepted=state.prev_accepted,
-            prev_drafted=state.prev_drafted, accept_rate=state.accept_rate,
+            prev_drafted=state.prev_drafted, accept_rate=state.accept_rate, cum_logq=log_q,
+            target_entropy=state.target_entropy, token_class=int(classes[k]),
             suffix_len=trie.match_len, occurrences=trie.occurrences,
             node_share=float(counts[k] / total), token_share=float(token_share[k])))
     return records

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from draftctl.collect.traces import TraceError, read_traces
-from draftctl.decode.features import FEATURE_NAMES, RETRIEVAL_FEATURES
+from draftctl.decode.features import FEATURE_NAMES, RETRIEVAL_FEATURES, check_trace_schema
 from draftctl.prompts import split_of
 
 # Features that describe the sequence's history. Dense traces hold placeholders there (the
@@ -54,6 +54,7 @@ def load_examples(folder: str | Path, features: tuple[str, ...] | None = None) -
     if not info_path.is_file():
         raise TraceError(f"{folder} has no run.json: not a trace folder")
     info = json.loads(info_path.read_text())
+    check_trace_schema(info, folder)
     features = features or default_features(info)
     unknown = sorted(set(features) - set(FEATURE_NAMES))
     if unknown:

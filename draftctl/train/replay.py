@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -39,7 +39,12 @@ import numpy as np
 from draftctl.collect.traces import TraceError, read_traces
 from draftctl.controllers import Action, Controller, make_controller
 from draftctl.decode.cached_lm import PassShape
-from draftctl.decode.features import FEATURE_NAMES, FeatureRecord, SequenceState, make_record
+from draftctl.decode.features import (
+    FEATURE_NAMES,
+    FeatureRecord,
+    SequenceState,
+    check_trace_schema,
+)
 from draftctl.profile import curve, pass_time, read_profile
 from draftctl.prompts import task_of
 from draftctl.retrieval.features import accepted_mask, prune, tried_chain
@@ -133,32 +138,25 @@ class ReplayResult:
                 if self.time_s and self.fastest_ar_time_s else None}
 
 
-def _choose_length(controller: Controller | None, stats_rows: np.ndarray, budget: int,
-                   state: SequenceState, oracle_len: int) -> tuple[list, int, int]:
-    """Run the controller over one round's recorded rows: (records kept, forwards, calls)."""
+def _choose_length(controller: Controller | None, recorded: Sequence[FeatureRecord],
+                   budget: int, oracle_len: int) -> tuple[list, int, int]:
+    """Run the controller over one round's recorded records: (records kept, forwards, calls)."""
     if controller is None:  # oracle
         length = min(budget, oracle_len)
         return [None] * length, length, 0
-    records, cum, calls = [], 1.0, 0
-    budget = min(budget, controller.max_draft())
-    for j in range(budget):
-        record = make_record(stats_rows[j].tolist(), j + 1, cum, state)
+    records, calls = [], 0
+    for record in recorded[:min(budget, controller.max_draft())]:
         if controller.reads_features:
             calls += 1
             action = controller.decide(record)
             if action is Action.DISCARD:
                 return records, len(records) + 1, calls
             records.append(record)
-            cum = record.cum_top1
             if action is Action.STOP:
                 break
         else:
             records.append(record)
-            cum = record.cum_top1
     return records, len(records), calls
-
-
-STAT_COLUMNS = ["entropy", *(f"top_prob_{i}" for i in range(1, 11))]
 
 
 def _prompt_groups(table) -> dict[int, dict[str, np.ndarray]]:
@@ -179,14 +177,19 @@ def _prompt_groups(table) -> dict[int, dict[str, np.ndarray]]:
     return groups
 
 
-def _stats(group: dict) -> np.ndarray:
-    """(rows, 11) distribution stats in ``distribution_stats`` order."""
-    return np.stack([group[name] for name in STAT_COLUMNS], axis=1)
+def _records(group: dict) -> list[FeatureRecord]:
+    """The recorded feature records of a prompt's rows, built once per trace set."""
+    if "records" not in group:
+        features = np.stack([group[name] for name in FEATURE_NAMES], axis=1)
+        group["records"] = [FeatureRecord.from_vector(v) for v in features]
+    return group["records"]
 
 
 def replay_dense_prompt(group: dict, controller: Controller | None, cost: CostModel,
                         k_probe: int, max_new_tokens: int, spec: str) -> ReplayResult:
-    stats = _stats(group).reshape(-1, k_probe, len(STAT_COLUMNS))
+    """The walk over a dense trace: each position's recorded continuation, with the history
+    features (``prev_*``, ``accept_rate``) of the walk itself."""
+    recorded = _records(group)
     match = group["match_len"][::k_probe]
     context = group["seq_pos"][::k_probe].astype(int)
     total = int(group["output_len"][0])
@@ -197,9 +200,10 @@ def replay_dense_prompt(group: dict, controller: Controller | None, cost: CostMo
     t = 0
     while t < total:
         budget = min(k_probe, max_new_tokens - t - 1)
-        state = SequenceState(int(context[t]), state.prev_accepted, state.prev_drafted,
-                              state.total_accepted, state.total_drafted)
-        records, forwards, calls = _choose_length(controller, stats[t], max(budget, 0), state,
+        history = {"prev_accepted": state.prev_accepted, "prev_drafted": state.prev_drafted,
+                   "accept_rate": state.accept_rate}
+        here = [replace(r, **history) for r in recorded[t * k_probe:(t + 1) * k_probe]]
+        records, forwards, calls = _choose_length(controller, here, max(budget, 0),
                                                   int(match[t]))
         drafted = len(records)
         accepted = min(drafted, int(match[t]))
@@ -220,21 +224,17 @@ def replay_dense_prompt(group: dict, controller: Controller | None, cost: CostMo
 
 def replay_rounds_prompt(group: dict, controller: Controller | None, cost: CostModel,
                          greedy: bool, spec: str) -> ReplayResult:
+    """Each recorded round on its own, its records as recorded (history features included)."""
     result = ReplayResult(spec)
     if controller is not None:
         controller.reset()
-    rows = {name: group[name] for name in ("round", "position", "beta", "accepted",
-                                           "round_accepted", *FEATURE_NAMES)}
-    bounds = np.flatnonzero(np.diff(rows["round"])) + 1
-    for idx in np.split(np.arange(len(rows["round"])), bounds):
-        record_rows = np.stack([rows[name][idx] for name in STAT_COLUMNS], axis=1)
-        first = idx[0]
-        state = SequenceState(int(rows["seq_pos"][first]), int(rows["prev_accepted"][first]),
-                              int(rows["prev_drafted"][first]))
-        accept = rows["accepted"][idx].astype(float) if greedy else rows["beta"][idx]
-        realised = int(rows["round_accepted"][first])
-        records, forwards, calls = _choose_length(controller, record_rows, len(idx), state,
-                                                  realised)
+    bounds = np.flatnonzero(np.diff(group["round"])) + 1
+    for idx in np.split(np.arange(len(group["round"])), bounds):
+        accept = group["accepted"][idx].astype(float) if greedy else group["beta"][idx]
+        realised = int(group["round_accepted"][idx[0]])
+        recorded = _records(group)
+        records, forwards, calls = _choose_length(controller, [recorded[k] for k in idx],
+                                                  len(idx), realised)
         drafted = len(records)
         expected = float(np.cumprod(accept[:drafted]).sum()) if drafted else 0.0
         if controller is None:
@@ -256,14 +256,14 @@ def replay_tree_prompt(group: dict, controller: Controller | None, cost: CostMod
     result = ReplayResult(spec)
     if controller is not None:
         controller.reset()
-    features = np.stack([group[name] for name in FEATURE_NAMES], axis=1)
+    records_all = _records(group)
     bounds = np.flatnonzero(np.diff(group["round"])) + 1
     for idx in np.split(np.arange(len(group["round"])), bounds):
         lookup_s = float(group["draft_time_s"][idx[0]])
         idx = idx[group["node"][idx] >= 0]  # an empty trie has a placeholder row only
         parents = group["parent"][idx].astype(int)
         match = group["target_top1_match"][idx].astype(bool)
-        records = [FeatureRecord.from_vector(v) for v in features[idx]]
+        records = [records_all[k] for k in idx]
         calls = 0
         if controller is None:  # oracle: exactly the accepted path
             keep = accepted_mask(parents, match)
@@ -295,6 +295,7 @@ class TraceSet:
             raise TraceError(f"{folder} has no run.json: not a trace folder")
         self.folder = folder
         self.info = json.loads(info_path.read_text())
+        check_trace_schema(self.info, folder)
         self.groups = _prompt_groups(read_traces(folder))
 
 
