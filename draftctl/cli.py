@@ -195,7 +195,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(TrainConfig, args.config, {"traces": args.traces, "kind": args.kind,
                                                   "out": args.out, "seed": args.seed,
-                                                  "rule": args.rule})
+                                                  "rule": args.rule,
+                                                  "ablation": args.ablation or None})
     report = run_train(cfg)
     s = report["summary"]
     if s is None:
@@ -413,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int)
     tr.add_argument("--rule", choices=("auto", "top_prob_1", "entropy", "svip"),
                     help="for --kind threshold: the one feature to threshold (default: auto)")
+    tr.add_argument("--ablation", action="store_true",
+                    help="also refit without each feature group in turn (report.md lists them)")
     tr.set_defaults(func=_train)
 
     ex = sub.add_parser("export", help="write a trained controller as ONNX")

@@ -141,3 +141,24 @@ def test_a_v3_controller_refuses_v2_traces_with_the_schema_error(pair, traces, t
     onnx.save(model, str(tmp_path / "v2.onnx"))
     with pytest.raises(SchemaMismatchError, match="trained on feature schema v2"):
         make_controller(f"onnx:{tmp_path / 'v2.onnx'}")
+
+
+def test_the_ablation_report_lists_every_feature_group(traces, tmp_path):
+    """``--ablation`` refits without each feature group in turn, each with its own dev
+    threshold; groups dense traces do not carry (history, retrieval) are listed as absent."""
+    from draftctl.decode.features import FEATURE_GROUPS
+
+    report = run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "a"),
+                                   grid=4, ablation=True))
+    rows = {r["group"]: r for r in report["ablation"]}
+    assert list(rows) == list(FEATURE_GROUPS)
+    assert rows["history"]["absent"] and rows["retrieval"]["absent"]
+    examples = load_examples(traces)
+    for group in ("position", "draft_distribution", "draft_path", "target", "token_class"):
+        row = rows[group]
+        assert not row["absent"] and set(row["dropped"]) == set(FEATURE_GROUPS[group])
+        assert row["features"] == len(examples.features) - len(row["dropped"])
+        assert row["test_speedup"] > 0 and row["vs_full"] > 0
+        assert row["dev_auc"] is None or 0 <= row["dev_auc"] <= 1
+    text = (tmp_path / "a" / "report.md").read_text()
+    assert "## Ablation" in text and all(f"| {g} |" in text for g in FEATURE_GROUPS)

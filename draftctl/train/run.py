@@ -15,7 +15,7 @@ import torch
 from draftctl.collect.traces import shard_files
 from draftctl.config import save_config
 from draftctl.controllers.learned import ScoreThreshold
-from draftctl.decode.features import SCHEMA_VERSION
+from draftctl.decode.features import FEATURE_GROUPS, SCHEMA_VERSION
 from draftctl.errors import DraftctlError
 from draftctl.train.data import load_examples
 from draftctl.train.fit import KINDS, THRESHOLD_RULES, TorchModel, fit
@@ -30,6 +30,9 @@ class TrainConfig:
     seed: int = 0
     grid: int = 24  # candidate thresholds (quantiles of the dev predictions)
     rule: str = "auto"  # threshold kind: top_prob_1, entropy, svip, or auto (best train AUC)
+    # also refit without each feature group in turn (decode.features.FEATURE_GROUPS), each
+    # with its own threshold chosen on dev, and report what dropping it costs on test
+    ablation: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -91,21 +94,14 @@ def run_train(cfg: TrainConfig) -> dict:
         raise DraftctlError(f"traces in {cfg.traces} hold no {' or '.join(empty)} prompts: "
                             "collect with --split train,dev (fit, threshold) or all (and report)")
     train, dev, test = parts["train"], parts["dev"], parts["test"]
-    model = fit(cfg.kind, train.X, train.y, train.prompt_ids, examples.features, cfg.seed,
-                cfg.rule)
     features = examples.features
-
     traces = TraceSet(cfg.traces)
     dev_ids = {int(i) for i in np.unique(dev.prompt_ids)}
     test_ids = {int(i) for i in np.unique(test.prompt_ids)}
-    p_dev = model.predict(dev.X)
-    grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
     name = f"learned-{cfg.kind}"
-    memo: dict[bytes, float] = {}
-    threshold, dev_best = best_by_speedup(
-        traces, {float(t): learned_controller(model, features, float(t), name, memo)
-                 for t in grid},
-        dev_ids)
+    fitted = fit_and_choose(cfg, parts, features, features, traces, dev_ids, name)
+    model, threshold, dev_best, memo = fitted.model, fitted.threshold, fitted.dev_best, fitted.memo
+    p_dev = model.predict(dev.X)
     svip_spec, _ = best_by_speedup(
         traces, {f"svip:{t:.2f}": f"svip:{t:.2f}" for t in np.arange(0.1, 1.01, 0.05)}, dev_ids)
     conf_spec, _ = best_by_speedup(
@@ -142,9 +138,76 @@ def run_train(cfg: TrainConfig) -> dict:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     report = {"config": asdict(cfg), "summary": summary, "metrics": manifest["metrics"],
               "threshold": threshold, "dev_choices": dev_choices, "test_replay": test_results}
+    if cfg.ablation:
+        full = next((r["modelled_speedup"] for r in test_results if r["spec"] == name), None)
+        report["ablation"] = ablation(cfg, parts, features, traces, dev_ids, test_ids, full)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report))
     return report
+
+
+@dataclass
+class Fitted:
+    """A model fitted on train prompts with the stop threshold chosen for it on dev."""
+
+    model: object
+    threshold: float
+    dev_best: dict
+    memo: dict
+
+
+def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
+                   columns: tuple[str, ...], traces: TraceSet, dev_ids: set[int],
+                   name: str) -> Fitted:
+    """Fit ``cfg.kind`` on the train examples' ``features`` (``columns`` names the examples'
+    own columns), then choose its threshold on dev by modelled speedup: the candidates are
+    quantiles of its dev predictions."""
+    index = [columns.index(f) for f in features]
+    train, dev = parts["train"], parts["dev"]
+    model = fit(cfg.kind, train.X[:, index], train.y, train.prompt_ids, features, cfg.seed,
+                cfg.rule)
+    p_dev = model.predict(dev.X[:, index])
+    grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
+    memo: dict[bytes, float] = {}  # one model's scores: never shared between models
+    threshold, dev_best = best_by_speedup(
+        traces, {float(t): learned_controller(model, features, float(t), name, memo)
+                 for t in grid},
+        dev_ids)
+    return Fitted(model, threshold, dev_best, memo)
+
+
+def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: TraceSet,
+             dev_ids: set[int], test_ids: set[int], full_speedup: float | None) -> list[dict]:
+    """One row per feature group: the model refitted without it (its threshold chosen on dev
+    again), its dev and test AUC and test modelled speedup, and that speedup over the full
+    model's. Groups the traces do not carry are listed as absent."""
+    rows = []
+    for group, names in FEATURE_GROUPS.items():
+        present = [f for f in names if f in features]
+        if not present:
+            rows.append({"group": group, "dropped": [], "absent": True})
+            continue
+        kept = tuple(f for f in features if f not in present)
+        row = {"group": group, "dropped": present, "absent": False, "features": len(kept)}
+        if not kept:
+            rows.append(row | {"note": "no feature left"})
+            continue
+        name = f"learned-{cfg.kind}-without-{group}"
+        fitted = fit_and_choose(cfg, parts, kept, features, traces, dev_ids, name)
+        index = [features.index(f) for f in kept]
+        for split in ("dev", "test"):
+            part = parts[split]
+            row[f"{split}_auc"] = classification_metrics(
+                fitted.model.predict(part.X[:, index]), part.y)["auc"] if len(part.y) else None
+        speedup = None
+        if test_ids:
+            [result] = replay(traces, [learned_controller(fitted.model, kept, fitted.threshold,
+                                                          name, fitted.memo)], test_ids)
+            speedup = result["modelled_speedup"]
+        row["threshold"], row["test_speedup"] = fitted.threshold, speedup
+        row["vs_full"] = speedup / full_speedup if speedup and full_speedup else None
+        rows.append(row)
+    return rows
 
 
 def _test_summary(results: list[dict], name: str, svip_spec: str) -> dict:
@@ -208,4 +271,19 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {r['spec']} | {r['tau']:.2f} | {r['drafted']} | {r['wasted']:.0f} | "
                      f"{r['target_forwards']} | {r['draft_forwards']} | "
                      f"{r['modelled_speedup']:.3f} |")
+    if "ablation" in report:
+        lines += ["", "## Ablation: the model refitted without one feature group", "",
+                  ("| group dropped | features left | dev AUC | test AUC | test modelled "
+                   "speedup | vs all features |"), "|---|---|---|---|---|---|"]
+        for r in report["ablation"]:
+            if r["absent"]:
+                lines.append(f"| {r['group']} | (not in these traces) | | | | |")
+                continue
+            lines.append(f"| {r['group']} | {r.get('features', 0)} | {_fmt(r.get('dev_auc'))} | "
+                         f"{_fmt(r.get('test_auc'))} | {_fmt(r.get('test_speedup'))} | "
+                         f"{_fmt(r.get('vs_full'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
