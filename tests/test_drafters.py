@@ -10,6 +10,7 @@ import torch
 from draftctl.controllers import make_controller
 from draftctl.decode import generate
 from draftctl.decode.cached_lm import PassShape
+from draftctl.decode.verify import SamplingConfig
 from draftctl.distill import feature
 from draftctl.distill.run import DistillConfig, run_distill
 from draftctl.drafters.feature import FeatureDrafter
@@ -119,3 +120,27 @@ def test_distill_feature_draft_end_to_end(tmp_path):
     with pytest.raises(DraftctlError, match="needs|feature_layers"):
         run_distill(DistillConfig(**{**config.__dict__, "feature_layers": [],
                                      "out": str(tmp_path / "bad")}))
+
+
+def test_dense_continuations_of_a_feature_draft_equal_its_live_drafts(tiny_models):
+    """Dense traces of a feature draft: the batched continuation after every prefix equals
+    what the drafter proposes there in a live round (tokens and statistics)."""
+    from draftctl.decode.cached_lm import CachedLM
+    from draftctl.decode.features import SequenceState
+
+    target, _ = tiny_models
+    drafter = FeatureDrafter(feature_draft(target, seed=2), 97, SamplingConfig())
+    seq = torch.tensor([4, 9, 33, 2, 71, 5, 60, 18, 40, 11, 3, 27])
+    n_prompt, k = 4, 5
+    lm = CachedLM(target, 97)
+    _, hidden = lm.prefill_hidden(seq[:-1], drafter.hidden_layers, keep=1)
+    tokens, stats = drafter.continuations(seq, n_prompt, k, hidden)
+    assert tokens.shape == (len(seq) - n_prompt, k)
+    for t in range(len(seq) - n_prompt):
+        c = n_prompt + t
+        drafter.reset()
+        drafter.accepted(c - 1, hidden[:c - 1])
+        draft = drafter.propose(seq[:c], k, make_controller(f"static:{k}"), SequenceState(c),
+                                torch.Generator())
+        assert draft.tokens.tolist() == tokens[t].tolist(), t
+        assert torch.allclose(draft.stats, stats[t], atol=1e-5), t

@@ -22,7 +22,6 @@ from draftctl.decode.features import (
     FEATURE_NAMES,
     SCHEMA_VERSION,
     SequenceState,
-    draft_stats,
     entropy,
     make_record,
 )
@@ -98,45 +97,34 @@ def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int,
     """The draft's greedy ``k_probe``-token continuation at every position of the target's
     greedy output.
 
-    The target's output comes from plain decoding (greedy SD would give the same tokens). The
-    continuations are batched: one draft pass over the whole sequence gives every position's
-    first token, then each further step feeds all T branches at once, each attending to its
-    own context prefix and its own earlier draft tokens (``CachedLM.forward_masked``), so the
-    cost is ``k_probe`` draft passes of T tokens instead of T * k_probe single steps.
+    The target's output comes from plain decoding (greedy SD would give the same tokens); one
+    teacher-forced target pass over it gives the target's entropy at each round start (and,
+    for a feature draft, the target's states it drafts from). The drafter computes the
+    continuations of all T positions batched (``continuations``: ``k_probe`` draft passes of
+    T tokens instead of T * k_probe single steps).
     """
     output = generate(decoder, prompt_ids, make_controller("none")).output_ids
     if not output:
         return []
     seq = torch.tensor(prompt_ids + output, device=decoder.device)
     n_prompt, n_out = len(prompt_ids), len(output)
-    # the target's entropy over each output token (and the last prompt token): what a round
-    # starting after it knows of the target (``target_entropy``), from one teacher-forced pass
-    target = decoder.target
+    target, drafter = decoder.target, decoder.drafter
+    keep = min(n_out + 1, len(seq) - 1)  # logits of positions first .. len(seq) - 2
+    first = len(seq) - 1 - keep
     target.reset()
-    target_entropy = entropy(target.prefill(seq[:-1], keep=n_out + 1)).tolist() \
-        if n_prompt > 1 else [0.0] + entropy(target.prefill(seq[:-1], keep=n_out)).tolist()
+    if drafter.hidden_layers:
+        logits, hidden = target.prefill_hidden(seq[:-1], drafter.hidden_layers, keep=keep)
+    else:
+        logits, hidden = target.prefill(seq[:-1], keep=keep), None
     target.reset()
-    classes = decoder.drafter.token_classes
-    lm = decoder.drafter.lm
-    lm.reset()
-    logits = lm.forward(seq[:-1], keep=n_out)  # (T, V): row t continues seq[:n_prompt + t]
-    base = len(lm)
-    branch = torch.arange(n_out, device=decoder.device)
-    context_len = n_prompt + branch
-    prefix_ok = torch.arange(base, device=decoder.device)[None, :] < context_len[:, None]
-    own = torch.eye(n_out, dtype=torch.bool, device=decoder.device)
-    tokens, stats = [], []
-    for step in range(k_probe):
-        tokens.append(logits.argmax(dim=-1))
-        stats.append(draft_stats(torch.softmax(logits.float(), -1), tokens[-1], tokens[-1],
-                                 classes))
-        if step + 1 == k_probe:
-            break
-        allowed = torch.cat([prefix_ok, *([own] * (step + 1))], dim=1)
-        logits = lm.forward_masked(tokens[-1], context_len + step, allowed)
-    lm.reset()
-    drafted = torch.stack(tokens, dim=1).tolist()  # (T, k_probe)
-    stats = torch.stack(stats, dim=1).tolist()  # (T, k_probe, STATS)
+    # the target's entropy over each round's first input token (the last prompt token, then
+    # the output's): position n_prompt + t - 2 predicts it
+    entropies = entropy(logits).tolist()
+    target_entropy = [entropies[n_prompt + t - 2 - first] if n_prompt + t - 2 >= first else 0.0
+                      for t in range(n_out)]
+    tokens, stats = drafter.continuations(seq, n_prompt, k_probe, hidden)
+    drafted = tokens.tolist()  # (T, k_probe)
+    stats = stats.tolist()  # (T, k_probe, STATS)
     seq = seq.tolist()
     rows = []
     for t in range(n_out):

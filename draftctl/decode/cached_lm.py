@@ -275,12 +275,12 @@ class CachedLM:
         return self._pass(tokens, len(tokens), None, keep).logits
 
     @torch.inference_mode()
-    def prefill_hidden(self, tokens: torch.Tensor,
-                       layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed a prompt as ``prefill`` does; return the last token's logits (1, vocab) and
-        the hidden states (n, len(layers), H) of every token at ``layers``
-        (``output_hidden_states`` indices: 0 is the embedding)."""
-        out = self._pass(tokens, len(tokens), None, 1, layers)
+    def prefill_hidden(self, tokens: torch.Tensor, layers: Sequence[int],
+                       keep: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed a prompt as ``prefill`` does; return the logits (keep, vocab) of its last
+        ``keep`` tokens (0: all) and the hidden states (n, len(layers), H) of every token at
+        ``layers`` (``output_hidden_states`` indices: 0 is the embedding)."""
+        out = self._pass(tokens, len(tokens), None, keep, layers)
         return out.logits, out.hidden
 
     @torch.inference_mode()

@@ -92,6 +92,13 @@ class Drafter(Protocol):
         states at the ``n`` positions it has just seen, ``length - n .. length - 1``, when the
         drafter asks for ``hidden_layers``. Also called after the prompt's prefill."""
 
+    def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,
+                      hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain drafters, for dense traces: the greedy ``k``-token draft ``propose`` would
+        make after every prefix ``seq[:n_prompt + t]``, batched over t; ``hidden``: the
+        target's states at every position but the last, for drafters that read them. Returns
+        tokens (T, k) and ``draft_stats`` rows (T, k, STATS)."""
+
     @property
     def forwards(self) -> int:
         """Draft model calls so far (0 for drafters without a model)."""

@@ -21,6 +21,7 @@ from draftctl.decode.features import SequenceState, draft_stats
 from draftctl.decode.verify import SamplingConfig
 from draftctl.distill.feature import FeatureDraftLM
 from draftctl.drafters.base import Draft, ask_controller
+from draftctl.errors import DecodeInputError
 
 
 class FeatureDrafter:
@@ -120,3 +121,44 @@ class FeatureDrafter:
         full = probs.new_zeros((1, self.vocab_size))
         full[:, self.model.head_ids] = probs
         return full
+
+    @torch.inference_mode()
+    def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,
+                      hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy ``k``-token draft after every prefix ``seq[:n_prompt + t]`` as
+        ``propose`` would draft it, batched. hidden: (len(seq) - 1, layers, H) the target's
+        states at positions 0 .. len(seq) - 2. One pass computes the cache entries of
+        positions 1 .. len(seq) - 2 from the target's states (each branch's first token comes
+        from the entry at its last context position); each further step feeds all T branches
+        at once, each attending to the entries of its own context and its own earlier draft
+        tokens. Returns tokens (T, k) and ``draft_stats`` rows (T, k, STATS)."""
+        if hidden is None or n_prompt < 2:
+            raise DecodeInputError("a feature draft's dense continuations need the target's "
+                                   "states and a prompt of at least two tokens")
+        device = seq.device
+        n_out = len(seq) - n_prompt
+        self.reset()
+        out, logits = self._step(seq[1:-1], hidden[:-1], own=False)  # positions 1 .. L - 2
+        base = self.entries
+        first = n_prompt - 2 + torch.arange(n_out, device=device)  # entry of each branch
+        feature, logits = out[first], logits[first]
+        prefix_ok = torch.arange(base, device=device)[None, :] <= first[:, None]
+        own = torch.eye(n_out, dtype=torch.bool, device=device)
+        tokens, stats = [], []
+        for step in range(k):
+            index = logits.argmax(dim=-1)
+            token = self.model.head_ids[index]
+            tokens.append(token)
+            stats.append(draft_stats(torch.softmax(logits.float(), -1), index, token,
+                                     self.token_classes))
+            if step + 1 == k:
+                break
+            allowed = torch.cat([prefix_ok, *([own] * (step + 1))], dim=1)
+            positions = first + 2 + step  # the branch's step-th draft token's position
+            out, logits = self.model(token[None], feature[None], own=True, cache=self.cache,
+                                     position_ids=positions[None],
+                                     attention_mask=allowed[None, None])
+            self.forwards += 1
+            feature, logits = out[0], logits[0]
+        self.reset()
+        return torch.stack(tokens, dim=1), torch.stack(stats, dim=1)

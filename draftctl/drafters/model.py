@@ -82,3 +82,32 @@ class ModelDrafter:
         draft.forwards = self.lm.forwards - forwards_before
         draft.discarded, draft.controller_s, draft.controller_calls = discarded, controller_s, calls
         return draft
+
+    @torch.inference_mode()
+    def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,
+                      hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy ``k``-token draft after every prefix ``seq[:n_prompt + t]``, t = 0 .. T-1
+        (T = len(seq) - n_prompt), batched: one draft pass over the sequence gives every
+        branch's first token, then each further step feeds all T branches at once, each
+        attending to its own context prefix and its own earlier draft tokens
+        (``CachedLM.forward_masked``). Returns tokens (T, k) and ``draft_stats`` rows
+        (T, k, STATS)."""
+        lm, device = self.lm, seq.device
+        n_out = len(seq) - n_prompt
+        lm.reset()
+        logits = lm.forward(seq[:-1], keep=n_out)  # (T, V): row t continues seq[:n_prompt + t]
+        base = len(lm)
+        context_len = n_prompt + torch.arange(n_out, device=device)
+        prefix_ok = torch.arange(base, device=device)[None, :] < context_len[:, None]
+        own = torch.eye(n_out, dtype=torch.bool, device=device)
+        tokens, stats = [], []
+        for step in range(k):
+            tokens.append(logits.argmax(dim=-1))
+            stats.append(draft_stats(torch.softmax(logits.float(), -1), tokens[-1], tokens[-1],
+                                     self.token_classes))
+            if step + 1 == k:
+                break
+            allowed = torch.cat([prefix_ok, *([own] * (step + 1))], dim=1)
+            logits = lm.forward_masked(tokens[-1], context_len + step, allowed)
+        lm.reset()
+        return torch.stack(tokens, dim=1), torch.stack(stats, dim=1)
