@@ -144,3 +144,33 @@ def test_dense_continuations_of_a_feature_draft_equal_its_live_drafts(tiny_model
                                 torch.Generator())
         assert draft.tokens.tolist() == tokens[t].tolist(), t
         assert torch.allclose(draft.stats, stats[t], atol=1e-5), t
+
+
+def test_unrolled_training_sees_what_the_drafter_sees(tiny_models):
+    """The training-time test: step j of the unrolled draft, at the position of a round's
+    j-th token, computes the logits the live drafter computes for that token when the round's
+    earlier drafts are the sequence's tokens (here: the drafter's own greedy drafts)."""
+    from draftctl.decode.cached_lm import CachedLM
+    from draftctl.decode.features import SequenceState
+
+    target, _ = tiny_models
+    draft = feature_draft(target, seed=5)
+    drafter = FeatureDrafter(draft, 97, SamplingConfig())
+    context, k = torch.tensor([4, 9, 33, 2, 71, 5, 60]), 4
+    lm = CachedLM(target, 97)
+    _, hidden = lm.prefill_hidden(context[:-1], drafter.hidden_layers)
+    drafter.accepted(len(context) - 1, hidden)
+    proposed = drafter.propose(context, k, make_controller(f"static:{k}"),
+                               SequenceState(len(context)), torch.Generator())
+    seq = torch.cat([context, proposed.tokens, torch.tensor([1])])
+    lm.reset()
+    _, states = lm.prefill_hidden(seq, drafter.hidden_layers)
+    ids, feats = feature._batch([(seq, states)])
+    with torch.no_grad():
+        per_step = feature.unrolled(draft, ids, feats, k)
+    c = len(context)
+    for j in range(1, k + 1):  # the j-th token sits after position c - 2 + j: column c - 3 + j
+        logits = draft.head_logits(per_step[j - 1][0, c - 3 + j])
+        assert int(draft.head_ids[logits.argmax()]) == int(proposed.tokens[j - 1]), j
+        live = proposed.raw_probs[j - 1][draft.head_ids]
+        assert torch.allclose(torch.softmax(logits, -1), live, atol=1e-5), j

@@ -8,9 +8,11 @@ there. ``mix`` maps (embedding, feature) to the layer's input; the layer's outpu
 a frozen copy of the target's final norm into a trained head over ``head_ids`` (the most
 frequent tokens of the training text). ``q`` is zero outside ``head_ids``.
 
-Training unrolls the draft over ``steps`` steps on its own features ("training-time test"):
-step 1 reads the target's features, step j > 1 reads step j - 1's outputs one position back,
-each step's loss weighted ``decay ** (j - 1)``, so drafting two or three tokens ahead holds up.
+Training unrolls the draft over ``steps`` steps on its own features, as it drafts
+("training-time test", EAGLE-3): step 1 reads the target's features; step j > 1 reads step
+j - 1's outputs one position back and attends to the target-feature entries of its round's
+context and to its round's own earlier entries only (``ttt_mask``), each step's loss weighted
+``decay ** (j - 1)``, so drafting two or three tokens ahead holds up.
 
 Stored files: ``config.json`` (format, target, feature layers, layer config),
 ``model.safetensors`` (matrices as int8 with one float scale per row, norms, ``head_ids``),
@@ -27,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
@@ -70,10 +73,12 @@ class FeatureDraftLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, own: bool = False,
                 cache=None, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor | None = None,
+                logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids (B, T): the tokens x_p; features (B, T, layers, H) the target's states at
         p - 1, or (B, T, H) the draft's own outputs there (``own``). Returns the layer's
-        outputs (B, T, H), the next features, and head logits (B, T, len(head_ids))."""
+        outputs (B, T, H), the next features, and head logits (B, T, len(head_ids)), or None
+        without ``logits`` (training asks ``head_logits`` for the labelled rows only)."""
         feature = features if own else self.fc(features.flatten(-2).to(self.fc.weight.dtype))
         x = self.mix(torch.cat([self.embed[input_ids].to(feature.dtype), feature], dim=-1))
         if position_ids is None:
@@ -81,7 +86,11 @@ class FeatureDraftLM(nn.Module):
         out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, use_cache=cache is not None,
                          position_embeddings=self.rotary(x, position_ids))
-        return out, self.head(self.norm(out))
+        return out, self.head_logits(out) if logits else None
+
+    def head_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """(..., H) layer outputs -> (..., len(head_ids)) logits over the head tokens."""
+        return self.head(self.norm(out))
 
 
 def from_target(target: nn.Module, head_ids: torch.Tensor,
@@ -101,55 +110,95 @@ def from_target(target: nn.Module, head_ids: torch.Tensor,
     return draft
 
 
+def ttt_mask(width: int, step: int, device=None) -> torch.Tensor:
+    """(width, step * width) bool: what the step-``step`` query at column c (position c + 1)
+    attends to when the unrolled draft runs as it drafts ("training-time test"). The query is
+    the ``step``-th token of a round whose context ends at position c + 2 - step: it sees the
+    entries computed from the target's features (step 1's keys) up to that position, and the
+    entries of the round's own earlier draft tokens, step i's key at column c - step + i."""
+    columns = torch.arange(width, device=device)
+    blocks = [columns[None, :] <= (columns - step + 1)[:, None]]
+    for i in range(2, step + 1):
+        blocks.append(columns[None, :] == (columns - step + i)[:, None])
+    return torch.cat(blocks, dim=1)
+
+
+def unrolled(draft: FeatureDraftLM, ids: torch.Tensor, features: torch.Tensor,
+             steps: int) -> list[torch.Tensor]:
+    """Layer outputs of ``steps`` unrolled draft steps over teacher-forced sequences (their
+    ``head_logits`` are the draft's logits).
+
+    ids: (B, W) the tokens x_p, column c = position p = c + 1; features: (B, W, layers, H)
+    the target's states at p - 1. Step 1 reads the target's features; step j > 1 reads step
+    j - 1's output one position back and attends as ``ttt_mask`` says, so step j's logits at
+    position p are what the draft proposes as the j-th token of a round whose first j - 1
+    drafts were the sequence's own tokens. Returns [(B, W, H)] per step; at step j, columns
+    c < j - 1 have no such round (garbage).
+    """
+    width = ids.shape[1]
+    positions = torch.arange(1, width + 1, device=ids.device)[None]
+    cache = Cache(layers=[DynamicLayer()])
+    out, _ = draft(ids, features, cache=cache, position_ids=positions,
+                   attention_mask=ttt_mask(width, 1, ids.device)[None, None], logits=False)
+    per_step = [out]
+    for step in range(2, steps + 1):
+        previous = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+        out, _ = draft(ids, previous, own=True, cache=cache, position_ids=positions,
+                       attention_mask=ttt_mask(width, step, ids.device)[None, None],
+                       logits=False)
+        per_step.append(out)
+    return per_step
+
+
 def training_loss(draft: FeatureDraftLM, items: list[tuple], steps: int,
                   decay: float) -> tuple[torch.Tensor, int]:
-    """The unrolled loss over a batch, summed over labelled positions and steps.
+    """The unrolled loss over a batch (``unrolled``), summed over labelled positions and
+    steps, step j weighted ``decay ** (j - 1)``.
 
     items: (tokens (L,), first labelled position s, label ids (n, k), label probs (n, k),
     target features (L, layers, H)); label row r is the teacher's distribution after position
-    s + r. Step j predicts, at position p >= j, the token after p from the embedding of x_p and
-    a feature of p - 1 (the target's at step 1, step j - 1's output after). Returns (loss,
-    labelled positions of step 1).
+    s + r. Returns (loss, labelled positions of step 1).
     """
-    width = max(len(t) for t, *_ in items) - 1
-    batch = len(items)
-    ids = torch.zeros((batch, width), dtype=torch.long)
-    feats = torch.zeros((batch, width, *items[0][4].shape[1:]))
-    for row, (tokens, _, _, _, features) in enumerate(items):
-        n = len(tokens) - 1
-        ids[row, :n] = tokens[1:]  # position p = column + 1
-        feats[row, :n] = features[:n].float()
+    ids, feats = _batch(items)
     loss, counted = 0.0, 0
-    previous = None
-    for step in range(1, steps + 1):
-        shift = step - 1  # column c of this step is position p = c + step
-        if step == 1:
-            out, logits = draft(ids, feats)
-        else:
-            out, logits = draft(ids[:, shift:], previous[:, :-1], own=True)
+    for step, out in enumerate(unrolled(draft, ids, feats, steps), start=1):
         total = 0.0
         for row, (tokens, start, label_ids, label_probs, _) in enumerate(items):
-            first = max(start, step)  # positions with a label, reachable at this step
+            first = max(start, step)  # positions with a label that a round of step reaches
             last = len(tokens) - 2
             if last < first:
                 continue
-            log_q = torch.log_softmax(logits[row, first - step:last - step + 1].float(), -1)
+            log_q = torch.log_softmax(draft.head_logits(out[row, first - 1:last]).float(), -1)
             target = label_probs[first - start:last - start + 1].float()
             target = target / target.sum(-1, keepdim=True)
             picked = log_q.gather(-1, label_ids[first - start:last - start + 1].long())
             total = total - (target * picked).sum()
             if step == 1:
                 counted += last - first + 1
-        loss = loss + decay ** shift * total
-        previous = out
+        loss = loss + decay ** (step - 1) * total
     return loss, counted
+
+
+def _batch(items: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, W) token ids x_p (column c = position c + 1) and (B, W, layers, H)
+    target features at p - 1 of ``(tokens, ..., features)`` items."""
+    width = max(len(item[0]) for item in items) - 1
+    ids = torch.zeros((len(items), width), dtype=torch.long)
+    feats = torch.zeros((len(items), width, *items[0][-1].shape[1:]))
+    for row, item in enumerate(items):
+        tokens, features = item[0], item[-1]
+        n = len(tokens) - 1
+        ids[row, :n] = tokens[1:]
+        feats[row, :n] = features[:n].float()
+    return ids, feats
 
 
 @torch.inference_mode()
 def agreement(draft: FeatureDraftLM, rows: list[dict], target: nn.Module,
               steps: int = 2) -> list[float]:
-    """Greedy top-1 agreement with the target along its own greedy output, at step 1 (target
-    features) and at each later unrolled step (the draft's own features)."""
+    """Greedy top-1 agreement with the target along its own greedy output, per draft step:
+    at step j, how often the draft's j-th token of a round equals the target's token when
+    the round's earlier drafts were the target's (``unrolled``)."""
     hits, totals = [0] * steps, [0] * steps
     device = next(target.parameters()).device
     for row in rows:
@@ -158,18 +207,14 @@ def agreement(draft: FeatureDraftLM, rows: list[dict], target: nn.Module,
         tokens = torch.tensor(row["prompt_ids"] + row["response_ids"])
         states = target(tokens[None].to(device), output_hidden_states=True).hidden_states
         features = torch.stack([states[k][0] for k in draft.feature_layers], dim=1).float().cpu()
+        ids, feats = _batch([(tokens, features)])
         start = len(row["prompt_ids"]) - 1
-        previous = None
-        for step in range(1, steps + 1):
-            if step == 1:
-                out, logits = draft(tokens[None, 1:], features[None, :-1])
-            else:
-                out, logits = draft(tokens[None, step:], previous[:, :-1], own=True)
+        for step, out in enumerate(unrolled(draft, ids, feats, steps), start=1):
             first = max(start, step)
-            guess = draft.head_ids[logits[0, first - step:len(tokens) - 1 - step].argmax(-1)]
+            logits = draft.head_logits(out[0, first - 1:len(tokens) - 2])
+            guess = draft.head_ids[logits.argmax(-1)]
             hits[step - 1] += int((guess == tokens[first + 1:]).sum())
             totals[step - 1] += len(tokens) - 1 - first
-            previous = out
     return [h / t if t else float("nan") for h, t in zip(hits, totals)]
 
 
