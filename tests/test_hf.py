@@ -205,3 +205,37 @@ def test_generate_takes_draftctl_as_its_custom_generate(pair):
     with pytest.raises(hf.HFEngineError, match="pass assistant_model"):
         target.generate(PROMPT, custom_generate=hf.CUSTOM_GENERATE, trust_remote_code=True,
                         controller="svip", max_new_tokens=4)
+
+
+def test_records_in_generate_match_the_decoders_records(pair):
+    """The controller sees the same v3 record inside generate() as in draftctl's decoder: the
+    same distribution and path features for the same drafted tokens, the target's entropy
+    from the second round on (generate() hands over no prefill logits: 0 in the first), and
+    the token classes when generate() is given the tokenizer."""
+    from draftctl.decode.features import token_classes
+    from tests.test_models import word_tokenizer
+
+    target, draft = pair
+    result = hf.run(target, PROMPT, draft, controller="static:3", max_new_tokens=16,
+                    do_sample=False)
+    decoder = make_decoder(target, draft, max_new_tokens=16)
+    ours = list(decoder.rounds(PROMPT[0].tolist(), make_controller("static:3")))
+    assert [r.draft_tokens for r in result.rounds] == [r.draft_tokens for r in ours]
+    compared = 0
+    for index, (theirs, mine) in enumerate(zip(result.rounds, ours)):
+        assert len(theirs.features) == len(mine.features) == theirs.drafted
+        for a, b in zip(theirs.features, mine.features):
+            assert a.entropy == pytest.approx(b.entropy, abs=1e-4)
+            assert a.cum_logq == pytest.approx(b.cum_logq, abs=1e-4)
+            assert a.target_entropy == (pytest.approx(b.target_entropy, abs=1e-4) if index
+                                        else 0.0)
+            compared += 1
+    assert compared >= 9
+    words = word_tokenizer()
+    classes = token_classes(words)
+    named = hf.run(target, PROMPT, draft, controller="static:3", max_new_tokens=16,
+                   do_sample=False, tokenizer=words).rounds
+    assert all(f.token_class == int(classes[t]) for r in named
+               for f, t in zip(r.features, r.draft_tokens))
+    assert {f.token_class for r in named for f in r.features} != {-1}
+    assert all(f.token_class == -1 for r in result.rounds for f in r.features)
