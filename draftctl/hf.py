@@ -237,11 +237,12 @@ class RoundRecorder:
         k = len(drafted)
         target = scores[0, :k, :self.vocab_size].float()  # (k, V): the target's, processed
         argmax = target.argmax(-1)
-        controlled = isinstance(self.inner, ControlledCandidateGenerator)
-        records = self.inner.records if controlled else []
+        # a controlled generator keeps each token's record and draft softmax; transformers'
+        # own schedules keep neither
+        records = getattr(self.inner, "records", [])
         if self.greedy or k == 0:
             accept = (drafted == argmax).float()
-            raw = self.inner.raw_probs if controlled else []
+            raw = getattr(self.inner, "raw_probs", [])
             beta = overlap(torch.softmax(target, -1), torch.stack(raw)).tolist() \
                 if raw and k else []
         else:
