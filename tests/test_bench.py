@@ -246,3 +246,28 @@ def test_bench_engine_hf_runs_transformers_schedules_and_draftctl_controllers(
         run_bench(BenchConfig(**base, controllers=["hf:fast"]))
     with pytest.raises(DraftctlError, match="unknown engine 'vllm'"):
         run_bench(BenchConfig(**{**base, "engine": "vllm"}, controllers=["static:2"]))
+
+
+def test_bench_at_t1_runs_every_controller_from_one_seed(pair, tmp_path):  # noqa: F811
+    """Sampling (T=1): every controller but the oracle runs, each prompt from the configured
+    seed (so a rerun repeats every output, another seed changes them), and no mismatch
+    count is reported, documented in the report's sampling note."""
+    specs = "static:1-3,heuristic,confidence,pmin,svip:0.5,adaedl"
+
+    def answers(out, seed):
+        assert main(bench_args(pair, out, "--controllers", specs, "--temperature", "1",
+                               "--seed", str(seed), "--no-plots")) == 0
+        report = json.loads((out / "report.json").read_text())
+        texts = {p.stem: p.read_text() for p in (out / "answers").glob("*.jsonl")}
+        return report, {k: [json.loads(x)["choices"][0]["turns"] for x in v.splitlines()]
+                        for k, v in texts.items()}
+
+    report, first = answers(tmp_path / "a", 3)
+    assert report["mismatches"] is None and report["sampling"]["seed"] == 3
+    assert "no mismatches are counted" in report["sampling"]["note"]
+    assert all(row["mismatches"] is None for row in report["controllers"])
+    assert len(report["controllers"]) == 8 and all(r["tokens_per_s"] > 0
+                                                   for r in report["controllers"])
+    _, again = answers(tmp_path / "b", 3)
+    _, other = answers(tmp_path / "c", 4)
+    assert again == first and other != first

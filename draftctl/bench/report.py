@@ -66,7 +66,7 @@ def format_table(report: dict) -> str:
                      f"{_num(r.get('speedup_vs_fastest_ar'), '.2f'):>8}"
                      f"{r['tau']:>6.2f}{_num(r['acceptance_rate'], '.2f'):>8}{r['drafted']:>9}"
                      f"{r['wasted']:>8}{_num(r['controller_us_per_call'], '.1f'):>9}"
-                     f"{r['mismatches']:>9}")
+                     f"{_num(r['mismatches'], 'd'):>9}")
     return "\n".join(lines)
 
 
@@ -96,7 +96,7 @@ def write_markdown(report: dict, path: Path) -> None:
             f"{_num(r.get('speedup_vs_fastest_ar'), '.3f')} | "
             f"{r['tau']:.2f} | {_num(r['acceptance_rate'], '.3f')} | {r['drafted']} | "
             f"{r['wasted']} | {r['target_forwards']} | {r['draft_forwards']} | "
-            f"{_num(r['controller_us_per_call'], '.1f')} | {r['mismatches']} |")
+            f"{_num(r['controller_us_per_call'], '.1f')} | {_num(r['mismatches'], 'd')} |")
     lines += ["", "## Speedup over AR per category", "",
               "| controller | " + " | ".join(cats) + " |",
               "|---|" + "---|" * len(cats),
