@@ -174,3 +174,53 @@ def test_unrolled_training_sees_what_the_drafter_sees(tiny_models):
         assert int(draft.head_ids[logits.argmax()]) == int(proposed.tokens[j - 1]), j
         live = proposed.raw_probs[j - 1][draft.head_ids]
         assert torch.allclose(torch.softmax(logits, -1), live, atol=1e-5), j
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_distilled_draft_drafts_the_same_over_its_head_only(tiny_models, temperature):
+    """The model drafter of a distilled draft computes over the head's columns only; its
+    drafts, distributions and statistics equal those from the full-vocabulary logits (when
+    sampling, its first token's distribution: a sample drawn over K columns is not the one
+    drawn over V from the same generator, only from the same distribution)."""
+    from draftctl.decode.cached_lm import CachedLM
+    from draftctl.decode.features import SequenceState
+    from draftctl.distill.model import from_target
+    from draftctl.drafters.model import ModelDrafter
+
+    target, _ = tiny_models
+    draft = from_target(target, 1, torch.arange(3, 97, 2))
+    sampling = SamplingConfig(temperature=temperature)
+    full = ModelDrafter(CachedLM(draft, 97), sampling)
+    head = ModelDrafter(CachedLM(draft, 97, model_kwargs={"head_only": True}), sampling,
+                        head_ids=draft.head_ids)
+    seq = torch.tensor([4, 9, 33, 2, 71])
+    drafts = [d.propose(seq, 6, make_controller("static:6"), SequenceState(5),
+                        torch.Generator().manual_seed(7)) for d in (full, head)]
+    assert set(drafts[1].tokens.tolist()) <= set(draft.head_ids.tolist())
+    same = slice(None) if temperature == 0 else slice(0, 1)
+    if temperature == 0:
+        assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
+    else:
+        assert torch.allclose(drafts[0].q_draft[same], drafts[1].q_draft[same], atol=1e-6)
+    assert torch.allclose(drafts[0].raw_probs[same], drafts[1].raw_probs[same], atol=1e-6)
+    assert torch.allclose(drafts[0].stats[same, :-2], drafts[1].stats[same, :-2], atol=1e-5)
+    tokens, stats = head.continuations(torch.cat([seq, drafts[0].tokens]), 5, 3)
+    reference = full.continuations(torch.cat([seq, drafts[0].tokens]), 5, 3)
+    assert torch.equal(tokens, reference[0]) and torch.allclose(stats, reference[1], atol=1e-5)
+
+
+def test_head_only_sampling_matches_the_target_distribution():
+    """A distilled draft over part of the vocabulary (q is 0 off its head), drafting over its
+    head's columns: SD's output still has the target's distribution."""
+    from draftctl.decode.cached_lm import CachedLM
+    from draftctl.distill.model import from_target
+    from draftctl.drafters.model import ModelDrafter
+
+    target, _ = tiny_pair(vocab_size=6, noise=0.8, layers=2, hidden=16)
+    draft = from_target(target, 1, torch.tensor([0, 2, 3, 5]))
+    sampling = make_decoder(target, None, **SAMPLING).config.sampling
+    drafter = ModelDrafter(CachedLM(draft, 6, model_kwargs={"head_only": True}), sampling,
+                           head_ids=draft.head_ids)
+    decoder = make_decoder(target, drafter, max_new_tokens=3, **SAMPLING)
+    exact = exact_distribution(target, decoder.config.sampling, decoder.config.pass_shape)
+    assert fits(sample_counts(decoder, make_controller("static:2"), 6000), exact, 6000)

@@ -237,10 +237,13 @@ class CachedLM:
     ``shape`` sets the rows of every pass but ``prefill`` (see the module docstring); with the
     exact shape, ``model`` is the target's row-invariant view (the target itself is unchanged).
     ``forwards`` counts model calls, so a chunked pass counts once per chunk.
+    ``model_kwargs`` go to every model call (a distilled draft's ``head_only``).
     """
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, shape: PassShape | None = None):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, shape: PassShape | None = None,
+                 model_kwargs: dict | None = None):
         self.shape = shape or PassShape()
+        self.model_kwargs = model_kwargs or {}  # passed to every model call
         self.model = row_invariant_view(model) if self.shape.row_invariant else model
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
@@ -374,7 +377,7 @@ class CachedLM:
         # fixed shape too; an unpadded one keeps only what it returns
         out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
                          logits_to_keep=keep if rows == n else 0,
-                         output_hidden_states=bool(layers), **kwargs)
+                         output_hidden_states=bool(layers), **kwargs, **self.model_kwargs)
         self.forwards += 1
         self._set_length(start + n)
         logits = out.logits[0, :, : self.vocab_size]

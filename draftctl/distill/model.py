@@ -60,13 +60,19 @@ class DraftLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False,
                 logits_to_keep: int = 0, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+                position_ids: torch.Tensor | None = None, head_only: bool = False,
+                **kwargs) -> CausalLMOutputWithPast:
+        """Full-vocabulary logits (``-inf`` off the head), or with ``head_only`` the head's
+        logits (..., len(head_ids)), column i for token ``head_ids[i]`` (the drafter's path:
+        it spares a vocabulary-wide softmax and top-k per drafted token)."""
         hidden = self.model(input_ids=input_ids, cache=cache, use_cache=use_cache,
                             attention_mask=attention_mask,
                             position_ids=position_ids).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         small = self.head_logits(hidden)
+        if head_only:
+            return CausalLMOutputWithPast(logits=small)
         logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         logits[..., self.head_ids] = small
         return CausalLMOutputWithPast(logits=logits)

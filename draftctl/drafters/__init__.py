@@ -24,6 +24,10 @@ def model_drafter(draft: LoadedModel, vocab_size: int, sampling: SamplingConfig)
         from draftctl.drafters.feature import FeatureDrafter
 
         return FeatureDrafter(draft.model, vocab_size, sampling)
+    from draftctl.distill.model import DraftLM
     from draftctl.drafters.model import ModelDrafter
 
+    if isinstance(draft.model, DraftLM):  # draft over its head only (q is 0 elsewhere)
+        return ModelDrafter(CachedLM(draft.model, vocab_size, model_kwargs={"head_only": True}),
+                            sampling, head_ids=draft.model.head_ids)
     return ModelDrafter(CachedLM(draft.model, vocab_size), sampling)

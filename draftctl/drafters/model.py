@@ -23,10 +23,25 @@ class ModelDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, lm: CachedLM, sampling: SamplingConfig,
-                 token_classes: torch.Tensor | None = None):
+                 token_classes: torch.Tensor | None = None,
+                 head_ids: torch.Tensor | None = None):
         self.lm = lm
         self.sampling = sampling
         self.token_classes = token_classes
+        # a draft whose logits span its head only (``DraftLM(head_only=True)``): column i is
+        # token head_ids[i], q is 0 off the head
+        self.head_ids = head_ids
+
+    def _token(self, index: torch.Tensor) -> torch.Tensor:
+        return self.head_ids[index] if self.head_ids is not None else index
+
+    def _full(self, probs: torch.Tensor) -> torch.Tensor:
+        """(n, K) head probabilities -> (n, V), 0 off the head (as they are)."""
+        if self.head_ids is None:
+            return probs
+        full = probs.new_zeros((probs.shape[0], self.lm.vocab_size))
+        full[:, self.head_ids] = probs
+        return full
 
     @property
     def forwards(self) -> int:
@@ -49,14 +64,15 @@ class ModelDrafter:
         controller_s, calls, discarded = 0.0, 0, 0
         inputs = seq[len(self.lm):]
         for i in range(budget):
-            logits = self.lm.forward(inputs, last_only=True)  # (1, V)
+            logits = self.lm.forward(inputs, last_only=True)  # (1, V), or (1, K): the head
             probs = torch.softmax(logits.float(), dim=-1)
             if self.sampling.greedy:
-                token = logits.argmax(dim=-1)
+                index = logits.argmax(dim=-1)
             else:
                 q = self.sampling.probs(logits)
-                token = torch.multinomial(q, 1, generator=generator)[0]
-            stat = draft_stats(probs, token, token, self.token_classes)
+                index = torch.multinomial(q, 1, generator=generator)[0]
+            token = self._token(index)
+            stat = draft_stats(probs, index, token, self.token_classes)
             if controller.reads_features:
                 action, record, seconds = ask_controller(
                     controller, stat, i + 1, records[-1] if records else None, state, token)
@@ -67,10 +83,10 @@ class ModelDrafter:
                     break
                 records.append(record)
             tokens.append(token)
-            raw.append(probs)
+            raw.append(self._full(probs))
             stats.append(stat)
             if not self.sampling.greedy:
-                q_rows.append(q)
+                q_rows.append(self._full(q))
             if controller.reads_features and action is Action.STOP:
                 break
             inputs = token
@@ -102,8 +118,9 @@ class ModelDrafter:
         own = torch.eye(n_out, dtype=torch.bool, device=device)
         tokens, stats = [], []
         for step in range(k):
-            tokens.append(logits.argmax(dim=-1))
-            stats.append(draft_stats(torch.softmax(logits.float(), -1), tokens[-1], tokens[-1],
+            index = logits.argmax(dim=-1)
+            tokens.append(self._token(index))
+            stats.append(draft_stats(torch.softmax(logits.float(), -1), index, tokens[-1],
                                      self.token_classes))
             if step + 1 == k:
                 break
