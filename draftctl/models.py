@@ -11,7 +11,10 @@ A spec is one of:
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,7 +230,28 @@ def _load_distilled(spec: str, folder: Path, device: torch.device, dtype: torch.
         embedding = input_embedding(base)
     load = load_feature_draft if is_feature_draft(folder) else load_draft
     model = load(folder, embedding).to(device, dtype)
+    if target is not None:
+        check_draft_target(folder, model.head_ids, target)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def check_draft_target(folder: Path, head_ids: torch.Tensor, target: LoadedModel) -> None:
+    """Refuse to pair a distilled draft with a target it was not distilled from (its
+    manifest's teacher hash against the target's weights: a feature draft reads that model's
+    hidden states, a model draft learned its distribution), or whose vocabulary lacks some of
+    its head ids."""
+    vocab = len(target.tokenizer)
+    if len(head_ids) and (int(head_ids.min()) < 0 or int(head_ids.max()) >= vocab):
+        raise DraftctlError(f"draft {folder} has head ids up to {int(head_ids.max())}, outside "
+                            f"the vocabulary of {target.spec} ({vocab} tokens)")
+    manifest = folder / "manifest.json"
+    teacher = json.loads(manifest.read_text()).get("teacher", {}) if manifest.is_file() else {}
+    made, actual = teacher.get("sha256"), model_file_sha256(target.spec)
+    if made and actual and made != actual:
+        raise DraftctlError(
+            f"draft {folder} was distilled from {teacher.get('spec')} (weights sha256 "
+            f"{made[:12]}...), not from the target {target.spec} (sha256 {actual[:12]}...): "
+            "pair it with its own target, or distill a draft for this one")
 
 
 def input_embedding(spec: str) -> torch.Tensor:
@@ -249,8 +273,6 @@ def input_embedding(spec: str) -> torch.Tensor:
 def model_file_sha256(spec: str) -> str | None:
     """SHA-256 of the weights a spec loads (the GGUF file, or a folder's weight files hashed
     in name order); None for a hub id."""
-    import hashlib
-
     source, kwargs = _source(spec)
     if "gguf_file" in kwargs:
         files = [Path(source) / kwargs["gguf_file"]]
@@ -258,9 +280,16 @@ def model_file_sha256(spec: str) -> str | None:
         files = sorted(Path(source).glob("*.safetensors")) or sorted(Path(source).glob("*.bin"))
     else:
         return None
+    return _files_sha256(tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=64)
+def _files_sha256(files: tuple[tuple[str, int, int], ...]) -> str:
+    """SHA-256 of the files' contents in order, once per process for given sizes and
+    modification times (pairing a draft with its target hashes the target's weights)."""
     digest = hashlib.sha256()
-    for path in files:
-        with path.open("rb") as handle:
+    for path, _, _ in files:
+        with open(path, "rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()

@@ -265,3 +265,22 @@ def test_a_killed_response_stage_keeps_its_batches_in_the_ledger(setup, monkeypa
     lines = (data / "responses.jsonl").read_text().splitlines()
     assert len(lines) == 24 and len({(json.loads(x)["question_id"], json.loads(x)["sample"])
                                      for x in lines}) == 24
+
+
+def test_a_draft_is_refused_for_a_target_it_was_not_distilled_from(setup, tmp_path):
+    """Pairing checks the draft's manifest against the target's weights (a draft distilled
+    from another model of the same vocabulary is refused, naming both), and its head ids
+    against the target's vocabulary."""
+    from draftctl.models import check_draft_target
+
+    teacher_spec, config = setup
+    config.steps = 2
+    run_distill(config)
+    target = load_model(teacher_spec, "cpu")
+    assert load_model(config.out, "cpu", target=target).model.head_ids.numel() == 40
+    other = load_model(save_model(tmp_path / "other", seed=5), "cpu")  # same words, new weights
+    with pytest.raises(DraftctlError, match=r"was distilled from .*teacher \(weights sha256 "
+                                            r"\w{12}\.\.\.\), not from the target .*other"):
+        load_model(config.out, "cpu", target=other)
+    with pytest.raises(DraftctlError, match="head ids up to 97, outside the vocabulary"):
+        check_draft_target(Path(config.out), torch.tensor([0, 5, 97]), target)
