@@ -13,7 +13,8 @@ Verification, greedy and sampled, stays transformers' own.
 The controller sees the feature record draftctl's own decoder builds (``FeatureRecord``): the
 assistant's temperature-1 distribution at each drafted token (read from its output layer, so
 sampling settings do not change the features), its position, and the sequence's acceptance
-history.
+history. A draftctl feature-level draft drafts from the target's hidden states, which
+transformers hands to ``FeatureCandidateGenerator``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.generation.candidate_generator import (
+    AssistedCandidateGenerator,
+    CandidateGenerator,
+)
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -44,7 +48,8 @@ from draftctl.decode.features import (
     token_classes,
 )
 from draftctl.decode.loop import RoundRecord
-from draftctl.decode.verify import overlap
+from draftctl.decode.verify import SamplingConfig, overlap
+from draftctl.distill.feature import FeatureDraftLM
 from draftctl.distill.model import DraftLM
 from draftctl.drafters.base import ask_controller
 from draftctl.errors import DraftctlError
@@ -69,8 +74,8 @@ def check_transformers(version: str | None = None) -> None:
 
 def _vocabulary(model: torch.nn.Module) -> int:
     """Tokens the model's logits span: its output layer's rows, else its config's vocabulary
-    (a wrapped draftctl draft has no full output layer; its logits span the vocabulary)."""
-    head = model.get_output_embeddings()
+    (a draftctl draft has no full output layer; its logits span the vocabulary)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
@@ -101,20 +106,83 @@ class DraftAssistant(PreTrainedModel, GenerationMixin):
 
 def as_assistant(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` as transformers' assisted generation takes it: a transformers causal LM as it
-    is, a draftctl draft wrapped in ``DraftAssistant``; a feature-level draft is refused (it
-    reads the target's hidden states, which generate() does not hand over)."""
-    from draftctl.distill.feature import FeatureDraftLM
-
+    is, a draftctl draft wrapped in ``DraftAssistant``, a feature-level draft as it is (it
+    drafts through ``FeatureCandidateGenerator``)."""
     if isinstance(model, DraftLM):
         return DraftAssistant(model).eval()
     if isinstance(model, FeatureDraftLM):
-        raise HFEngineError("a feature-level draft reads the target's hidden states, which "
-                            "transformers' generate() does not hand to its assistant: use "
-                            "draftctl decode, or a draft model (distill --kind model)")
+        return model
     if not isinstance(model, GenerationMixin):
         raise HFEngineError(f"the assistant ({type(model).__name__}) is neither a transformers "
                             "causal LM nor a draftctl draft")
     return model
+
+
+class FeatureCandidateGenerator(CandidateGenerator):
+    """A draftctl feature-level draft inside ``generate()``, drafting with ``FeatureDrafter``
+    and asking the controller after each token. It reads the target's hidden states, which
+    transformers hands to a candidate generator that asks for the target's outputs
+    (``requires_model_outputs``, as its own MTP and DFlash drafts do): the first round drafts
+    nothing, so that the target's prefill gives the prompt's states; after each round the
+    states of the tokens the target accepted go to the drafter. Candidate logits are
+    ``log q`` of the distribution the tokens were drawn from (transformers' speculative
+    sampling reads q from them)."""
+
+    requires_model_outputs = True
+
+    def __init__(self, draft, controller: Controller, vocab_size: int, max_draft: int,
+                 max_length: int, sampling, token_classes: torch.Tensor | None):
+        from draftctl.drafters.feature import FeatureDrafter
+
+        self.drafter = FeatureDrafter(draft, vocab_size, sampling, token_classes)
+        self.model_kwargs_overrides = {"output_hidden_states": list(draft.feature_layers)}
+        self.controller, self.vocab_size, self.max_draft = controller, vocab_size, max_draft
+        self.max_length = max_length
+        # seeded from torch's global generator: a torch.manual_seed before generate() repeats
+        self.generator = torch.Generator(self.drafter.device).manual_seed(
+            int(torch.randint(2 ** 62, ())))
+        self.records: list[FeatureRecord] = []
+        self.raw_probs: list[torch.Tensor] = []
+        self.state: SequenceState | None = None
+        self.prefilled = False
+        controller.reset()
+
+    def get_candidates(self, input_ids: torch.LongTensor, model_kwargs=None, model_outputs=None,
+                       is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
+        from draftctl.decode.features import records_from_stats
+
+        self.records, self.raw_probs = [], []
+        if is_first_iteration:
+            return input_ids, None
+        seen = input_ids.shape[1] - 1  # the target has seen all but the newest token
+        new = n_last_matches + 1 if self.prefilled else seen
+        self.prefilled = True
+        hidden = torch.stack([model_outputs.hidden_states[i][0, :new] for i in
+                              self.drafter.hidden_layers], dim=1)
+        self.drafter.accepted(seen, hidden.to(self.drafter.device))
+        budget = min(self.controller.max_draft(), self.max_draft,
+                     self.max_length - input_ids.shape[1] - 1)
+        draft = self.drafter.propose(input_ids[0].to(self.drafter.device), budget,
+                                     self.controller, self.state, self.generator)
+        if not len(draft.tokens):
+            return input_ids, None
+        self.records = draft.records if draft.records is not None else records_from_stats(
+            draft.stats.tolist(), self.state)
+        self.raw_probs = list(draft.raw_probs)
+        q = draft.q_draft if draft.q_draft is not None else draft.raw_probs
+        candidates = torch.cat([input_ids, draft.tokens[None].to(input_ids.device)], dim=1)
+        return candidates, torch.log(q)[None].to(input_ids.device)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor,
+                                  num_matches: int) -> None:
+        accepted = int(num_matches)
+        target_entropy = float(entropy(scores[0, accepted, :self.vocab_size]))
+        if self.state is None:  # the prefill's round: its entropy is the first round's
+            self.state = SequenceState(input_ids.shape[1], target_entropy=target_entropy)
+            return
+        self.controller.observe(self.records, accepted)
+        self.state = self.state.after_round(input_ids.shape[1], len(self.records), accepted,
+                                            target_entropy)
 
 
 class _LastLogits:
@@ -331,9 +399,21 @@ def run(model, input_ids: torch.Tensor, assistant_model,
     own = type(model)._get_candidate_generator
     recorders: list[RoundRecorder] = []
 
+    feature = isinstance(assistant_model, FeatureDraftLM)
+    if feature and controller is None:
+        raise HFEngineError("transformers' own schedules drive an assistant model; a feature "
+                            "draft drafts with a draftctl controller (e.g. svip, static:K)")
+    sampling = SamplingConfig(
+        float(generate_kwargs.get("temperature") or 1.0) if do_sample else 0.0,
+        int(generate_kwargs.get("top_k") or 0), float(generate_kwargs.get("top_p") or 1.0))
+
     def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
                             model_kwargs, assistant_model=None, **kwargs):
-        if controller is None:
+        if feature:
+            inner = FeatureCandidateGenerator(assistant_model, controller, target_vocab,
+                                              max_draft, generation_config.max_length,
+                                              sampling, classes)
+        elif controller is None:
             inner = own(self, generation_config, input_ids, inputs_tensor, logits_processor,
                         model_kwargs, assistant_model=assistant_model, **kwargs)
         else:
@@ -345,9 +425,10 @@ def run(model, input_ids: torch.Tensor, assistant_model,
         return recorders[-1]
 
     model._get_candidate_generator = types.MethodType(candidate_generator, model)
-    config = assistant_model.generation_config
+    config = getattr(assistant_model, "generation_config", None)
     before = {name: getattr(config, name) for name in schedule}
-    config.update(**schedule)
+    if schedule:
+        config.update(**schedule)
     try:
         start = time.perf_counter()
         output = model.generate(input_ids, assistant_model=assistant_model, **generate_kwargs)
@@ -356,7 +437,8 @@ def run(model, input_ids: torch.Tensor, assistant_model,
         wall = time.perf_counter() - start
     finally:
         del model._get_candidate_generator
-        config.update(**before)
+        if schedule:
+            config.update(**before)
     return HFRun(output, recorders[-1].rounds if recorders else [], wall)
 
 

@@ -10,6 +10,7 @@ import torch
 from draftctl import hf
 from draftctl.controllers import make_controller
 from draftctl.decode import generate
+from draftctl.decode.cached_lm import PassShape
 from draftctl.distill import feature
 from draftctl.distill.model import from_target as draft_from_target
 from draftctl.errors import DraftctlError
@@ -106,9 +107,38 @@ def test_a_draftctl_draft_is_the_assistant_as_loaded(pair):
                     make_controller("static:3"))
     assert sum(a for _, a in static.rounds) > 0  # its drafts match the target's tokens
     assert static.rounds[:-1] == [(r.drafted, r.n_accepted) for r in ours.rounds][:-1]
-    features = feature.from_target(target, torch.arange(97), (1, 2))
-    with pytest.raises(hf.HFEngineError, match="feature-level draft reads the target's hidden"):
-        hf.generate(target, PROMPT, features, controller="static:2", max_new_tokens=4)
+
+
+def test_a_feature_draft_drafts_inside_generate_from_the_targets_states(pair):
+    """A feature-level draft reads the target's hidden states inside generate(): greedy
+    output equals plain generate(), its rounds equal draftctl's decoder's with the same draft
+    (after the first, which drafts nothing so that the prefill gives the prompt's states),
+    sampling with a seed repeats, and transformers' own schedules are refused for it."""
+    from draftctl.drafters.feature import FeatureDrafter
+
+    target, _ = pair
+    draft = feature.from_target(target, torch.arange(97), (1, 2))
+    plain = target.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    result = hf.run(target, PROMPT, draft, controller="static:3", max_new_tokens=30,
+                    do_sample=False)
+    assert torch.equal(result.output, plain)
+    assert result.rounds[0].drafted == 0 and sum(r.n_accepted for r in result.rounds) > 0
+    drafter = FeatureDrafter(draft, 97, make_decoder(target, None).config.sampling)
+    ours = list(make_decoder(target, drafter, max_new_tokens=30, pass_shape=PassShape()).rounds(
+        PROMPT[0].tolist(), make_controller("static:3")))  # unpadded passes, as generate()'s
+    # generate()'s first round is the prefill's plain step: it makes the token draftctl's
+    # first round makes after its draft; from the second round on both run the same rounds
+    theirs = [(r.draft_tokens, r.n_accepted) for r in result.rounds[1:-1]]
+    assert theirs == [(r.draft_tokens, r.n_accepted) for r in ours[1:len(theirs) + 1]]
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        outs.append(hf.generate(target, PROMPT, draft, controller="svip", max_new_tokens=20,
+                                do_sample=True, temperature=1.0))
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(hf.HFEngineError, match="a feature draft drafts with a draftctl "
+                                               "controller"):
+        hf.run(target, PROMPT, draft, controller="hf:constant:3", max_new_tokens=4)
 
 
 def test_the_shipped_draft_runs_in_generate_on_the_real_model(smollm2):
