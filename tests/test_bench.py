@@ -232,12 +232,21 @@ def test_bench_engine_hf_runs_transformers_schedules_and_draftctl_controllers(
         assert row["rounds"] < row["drafted"] <= 3 * row["rounds"], spec
         assert row["tokens_per_s"] > 0 and row["speedup_vs_ar"] > 0
     assert by_spec["svip:0.5"]["controller_us_per_call"] is not None
+    target, draft, prompts = pair
+    other = tmp_path / "other-draft"  # a second assistant, named by a spec's @DRAFT
+    load_model(draft, "cpu").model.save_pretrained(other)
+    load_model(draft, "cpu").tokenizer.save_pretrained(other)
+    mixed = tmp_path / "hf-mixed"
+    assert main(bench_args(pair, mixed, "--engine", "hf", "--controllers",
+                           f"hf:constant:2@{other},static:2", "--no-plots")) == 0
+    rows = json.loads((mixed / "report.json").read_text())["controllers"]
+    assert [r["drafter"] for r in rows] == [str(other), draft]
+    assert all(r["mismatches"] == 0 for r in rows)
     sampled = tmp_path / "hf-t1"
     assert main(bench_args(pair, sampled, "--engine", "hf", "--controllers", "hf:constant:2,"
                            "static:2", "--temperature", "1", "--no-plots")) == 0
     report = json.loads((sampled / "report.json").read_text())
     assert report["mismatches"] is None and not report["greedy"]
-    target, draft, prompts = pair
     base = {"target": target, "draft": draft, "prompts": prompts, "split": "all",
             "device": "cpu", "engine": "hf", "out": str(tmp_path / "x")}
     with pytest.raises(DraftctlError, match="oracle needs the reference output"):

@@ -2,7 +2,8 @@
 
 Plain ``generate()`` (AR), transformers' own schedules (``hf:constant:K``,
 ``hf:heuristic[:K0]``, ``hf:confidence[:T]``, see ``draftctl.hf.own_schedule``) and draftctl
-controllers (through ``draftctl.hf``), each prompt run by all of them in a rotated order after
+controllers (through ``draftctl.hf``; a spec may name a draft of its own, ``hf:heuristic@DRAFT``),
+each prompt run by all of them in a rotated order after
 an untimed warm-up, as ``draftctl bench`` does. Verification is transformers' own in every
 run; the passes are transformers' (unpadded), so greedy outputs are compared with plain
 ``generate()``, not with draftctl's bit-exact shapes. Under sampling every run of a prompt
@@ -35,15 +36,14 @@ DEFAULT_HF_CONTROLLERS = ("hf:heuristic", "hf:confidence:0.4", "hf:constant:4", 
 
 def _check_spec(spec: str) -> None:
     """A spec ``generate()`` can run: one of transformers' schedules or a draftctl controller
-    that needs no reference output, with the assistant model as its drafter."""
-    if spec.startswith(hf.OWN):
-        hf.own_schedule(spec)
-        return
+    that needs no reference output, optionally with a draft model of its own (``@DRAFT``)."""
     controller, drafter = split_drafter(spec)
-    if drafter is not None:
+    if drafter is not None and drafter.startswith("rest:"):
         raise DraftctlError(f"{spec}: transformers' generate() drafts with an assistant model "
                             "only, not with rest:DIR")
-    if make_controller(controller).reads_tokens:
+    if controller.startswith(hf.OWN):
+        hf.own_schedule(controller)
+    elif make_controller(controller).reads_tokens:
         raise DraftctlError(f"{spec}: the oracle needs the reference output, which generate() "
                             "does not have")
 
@@ -80,7 +80,9 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     save_config(cfg, out / "bench.yaml")
     setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, "free", cfg.profile, progress)
     target = load_model(cfg.target, cfg.device, setup.target_dtype)
-    draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target)
+    drafter_of = {spec: split_drafter(spec)[1] or draft_spec for spec in specs}
+    drafts = {name: load_model(name, target.device, setup.draft_dtype, target=target)
+              for name in dict.fromkeys([draft_spec, *drafter_of.values()])}
     greedy = cfg.temperature == 0
     eos = frozenset(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else \
@@ -106,12 +108,15 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             return output, [], time.perf_counter() - start
-        result = hf.run(target.model, tensor, draft.model, controller=spec,
-                        max_draft=cfg.max_draft, attention_mask=torch.ones_like(tensor), **call)
+        result = hf.run(target.model, tensor, drafts[drafter_of[spec]].model,
+                        controller=split_drafter(spec)[0], max_draft=cfg.max_draft,
+                        attention_mask=torch.ones_like(tensor), **call)
         return result.output, result.rounds, result.wall_s
 
+    warm_ups = ["none", *{drafter_of[s]: f"static:1@{drafter_of[s]}" for s in specs}.values()]
+    drafter_of |= {spec: spec.partition("@")[2] for spec in warm_ups[1:]}
     for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):
-        for spec in ("none", "static:1"):
+        for spec in warm_ups:  # each draft's kernels set up once, untimed
             decode(spec, ids, cfg.seed, max_new=2)
 
     runs: list[Run] = []
@@ -135,12 +140,12 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
                             mismatch))
     bar.close()
 
-    report = build_report(cfg, specs, runs, draft.spec, None, setup)
+    report = build_report(cfg, specs, runs, draft_spec, None, setup)  # every draft: a chain
     report["engine"] = "transformers"
     report["pass_shape"], report["bit_exact"] = "free", False
     report["transformers"] = hf.transformers.__version__
     for row in report["controllers"]:
-        row["bit_exact"] = False
+        row["bit_exact"], row["drafter"] = False, drafter_of[row["spec"]]
         row["schedule"] = "transformers" if row["spec"].startswith(hf.OWN) else "draftctl"
     (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     write_markdown(report, out / "report.md")
