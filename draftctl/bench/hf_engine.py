@@ -12,7 +12,6 @@ starts from the same seed.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -20,8 +19,7 @@ import torch
 from tqdm import tqdm
 
 from draftctl import hf
-from draftctl.bench.report import write_answers, write_markdown, write_plots
-from draftctl.bench.run import BenchConfig, Run, answer_name, build_report
+from draftctl.bench.run import BenchConfig, Run, build_report, write_report
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.decode.loop import GenerationResult
@@ -147,9 +145,4 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     for row in report["controllers"]:
         row["bit_exact"], row["drafter"] = False, drafter_of[row["spec"]]
         row["schedule"] = "transformers" if row["spec"].startswith(hf.OWN) else "draftctl"
-    (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    write_markdown(report, out / "report.md")
-    write_answers(runs, out / "answers", answer_name)
-    if cfg.plots:
-        write_plots(report, runs, out)
-    return report
+    return write_report(report, runs, out, cfg.plots)

@@ -264,10 +264,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
     report = build_report(cfg, specs, runs, draft.spec if draft is not None else
                           cfg.drafter or "", drafter_of, setup)
+    return write_report(report, runs, out, cfg.plots)
+
+
+def write_report(report: dict, runs: list[Run], out: Path, plots: bool) -> dict:
+    """``report.json``, ``report.md``, Spec-Bench answers and (with ``plots``) the plots."""
     (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     write_markdown(report, out / "report.md")
     write_answers(runs, out / "answers", answer_name)
-    if cfg.plots:
+    if plots:
         write_plots(report, runs, out)
     return report
 
