@@ -245,6 +245,7 @@ def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
             draft = load_model(draft_spec, device, dtype, target=target)
             every["draft", dtype, 1] = _draft_step(model_drafter(draft, vocab, SamplingConfig()),
                                                    target.model, context)
+        every["batch", dtype, 1] = _batch_pass(target.model, ids[:BATCH_SHAPE[1]])
     times: dict[tuple, list[float]] = {}
 
     def timed(key) -> None:
@@ -286,6 +287,20 @@ def measure(cfg: CalibrateConfig, progress: bool = True) -> dict:
             exact[dtype]["exact"] = shape_is_exact(lm.model, lm.vocab_size, EXACT, checks[dtype])
     return {"device": device, "draft_spec": draft_spec, "curves": curves, "dtypes": dtypes,
             "exact": exact}
+
+
+BATCH_SHAPE = (16, 64)  # sequences x tokens of the batched pass batch jobs are timed by
+
+
+def _batch_pass(model: torch.nn.Module, tokens: torch.Tensor):
+    """One forward over ``BATCH_SHAPE[0]`` copies of ``tokens``, no cache: the work of batch
+    jobs (batched generation's prefill and steps, teacher-forced labelling)."""
+    batch = tokens[None].expand(BATCH_SHAPE[0], -1)
+
+    @torch.inference_mode()
+    def run() -> None:
+        model(input_ids=batch, use_cache=False, logits_to_keep=1)
+    return run
 
 
 def _target_pass(lm: CachedLM, tokens: torch.Tensor, context: int):
@@ -366,6 +381,11 @@ def build_profile(cfg: CalibrateConfig, measured: dict) -> dict:
             "by_dtype": {d: {"t_ms": _keyed(curves["draft", d])} for d in dtypes}},
         "pass_shape": chosen["pass_shape"],
         "pad_to": {str(n): shape.rows(n) for n in range(1, cfg.max_n + 1)},
+        # batch jobs (distill's responses and labels, the chat corpus, the prompt pool) run
+        # the target in the dtype of the fastest batched pass, whatever decoding chose
+        "batch": {"dtype": min(dtypes, key=lambda d: curves["batch", d][1]),
+                  "shape": list(BATCH_SHAPE),
+                  "ms": {d: curves["batch", d][1] for d in dtypes}},
         "fastest_plain": {"dtype": fastest, "pass_shape": "free",
                           "t_ms": curves["target", fastest][1]},
         "acceptance": cfg.acceptance, "context": cfg.context, "repeats": cfg.repeats,
@@ -531,6 +551,21 @@ def settle(target: str, draft: str | None, device: str | torch.device = "auto",
     return Setup(target_dtype, draft_dtype, shape, data, str(path))
 
 
+def batch_dtype(target: str, device: str | torch.device = "auto") -> str:
+    """The dtype batch jobs run ``target`` in: the one whose batched pass the target's profile
+    measured fastest (calibrated once if missing or older than batch timing); where the device
+    computes only one dtype natively, that one, without calibrating."""
+    dev = resolve_device(device)
+    native = candidate_dtypes(dev)
+    if len(native) == 1:
+        return native[0]
+    profile = settle(target, None, dev).profile
+    if "batch" not in profile:
+        notice(f"the profile of {target} predates batch timing: measuring it again, once")
+        profile, _ = calibrate(CalibrateConfig(target=target, draft="none", device=str(dev)))
+    return profile["batch"]["dtype"]
+
+
 def format_profile(profile: dict) -> str:
     """The measured curves and the choices, as a table for the terminal."""
     target = profile["target"]
@@ -566,6 +601,11 @@ def format_profile(profile: dict) -> str:
     lines.append(f"chosen: target {target['dtype']}, draft {draft_dtype}, pass shape "
                  f"{profile['pass_shape']}; fastest plain decoding: "
                  f"{profile['fastest_plain']['dtype']} unpadded")
+    if "batch" in profile:
+        batch = profile["batch"]
+        times = ", ".join(f"{d} {ms:.0f} ms" for d, ms in batch["ms"].items())
+        lines.append(f"batched pass of {batch['shape'][0]}x{batch['shape'][1]} tokens: {times}; "
+                     f"batch jobs run in {batch['dtype']}")
     return "\n".join(lines)
 
 

@@ -58,6 +58,9 @@ def test_calibrate_writes_a_profile_covering_every_pass_size(tiny_profile):
     assert set(profile["draft"]["by_dtype"]) == set(dtypes) and profile["draft"]["t_ms"]["1"] > 0
     assert profile["fastest_plain"]["dtype"] in dtypes
     assert {"device", "threads", "torch"} <= set(profile)
+    batch = profile["batch"]  # batch jobs: the dtype of the fastest batched pass
+    assert set(batch["ms"]) == set(dtypes) and all(ms > 0 for ms in batch["ms"].values())
+    assert batch["dtype"] == min(batch["ms"], key=batch["ms"].get)
 
 
 def test_settle_uses_the_profile_and_refuses_one_made_for_other_models(tiny_profile, tmp_path):
@@ -131,3 +134,21 @@ def test_choices_follow_the_cost_curve():
     assert cheapest_pad(dip) == {1: 1, 2: 4, 3: 4, 4: 4, 5: 5}
     cost = CostModel(0.001, tuple(v / 1e3 for v in flat.values()), shape=PassShape(fixed=4))
     assert cost.verify(5) == pytest.approx(2 * flat[4] / 1e3) and cost.verify(1) == cost.verify(4)
+
+
+def test_batch_jobs_run_in_the_dtype_of_the_fastest_batched_pass(tmp_path, capsys):
+    """``batch_dtype`` reads the target's profile (made once); a profile from before batch
+    timing is measured again, with a notice."""
+    from draftctl.profile import batch_dtype, default_path
+
+    target = save_model(tmp_path / "target")
+    chosen = batch_dtype(target, "cpu")
+    path = default_path(target, None, torch.device("cpu"))
+    profile = json.loads(path.read_text())
+    assert chosen == profile["batch"]["dtype"] in candidate_dtypes(torch.device("cpu"))
+    del profile["batch"]
+    path.write_text(json.dumps(profile))
+    capsys.readouterr()
+    assert batch_dtype(target, "cpu") in candidate_dtypes(torch.device("cpu"))
+    assert "predates batch timing" in capsys.readouterr().err
+    assert "batch" in json.loads(path.read_text())

@@ -44,9 +44,8 @@ from draftctl.models import (
     LoadedModel,
     load_model,
     model_file_sha256,
-    resolve_device,
 )
-from draftctl.profile import candidate_dtypes, settle
+from draftctl.profile import batch_dtype
 from draftctl.prompts import load_prompts
 
 
@@ -98,8 +97,8 @@ class DistillConfig:
     checkpoint_every: int = 100
     seed: int = 0
     device: str = "cpu"
-    # the target's dtype for its responses and labels; auto: the calibrated one (bfloat16
-    # where the CPU has it). The shipped recipe pins float32, in which it was made.
+    # the target's dtype for its responses and labels; auto: the dtype of its fastest batched
+    # pass (the profile's batch timing). The shipped recipe pins float32, in which it was made.
     dtype: str = "auto"
     threads: int | None = None
     # where stages 1-2 (responses, teacher labels) live; default OUT/data. Another run's data
@@ -109,12 +108,8 @@ class DistillConfig:
 
 
 def target_dtype(target: str, device: str, dtype: str) -> str:
-    """``auto``: the target's calibrated dtype (its profile, made once if missing); where the
-    device computes only one dtype natively, that one, without calibrating."""
-    if dtype != "auto":
-        return dtype
-    native = candidate_dtypes(resolve_device(device))
-    return native[0] if len(native) == 1 else settle(target, None, device).target_dtype
+    """``auto``: the dtype of the target's fastest batched pass (``profile.batch_dtype``)."""
+    return dtype if dtype != "auto" else batch_dtype(target, device)
 
 
 def _check(cfg: DistillConfig) -> None:
