@@ -258,6 +258,7 @@ def test_a_killed_response_stage_keeps_its_batches_in_the_ledger(setup, monkeypa
     data = Path(config.out) / "data"
     killed = distill_run.read_stages(data)["responses"]
     assert killed["runs"] == 1 and killed["responses"] == 8 and killed["seconds"] > 0
+    assert killed["dtype"] == ["float32"]  # the dtype the work was done in
     monkeypatch.setattr(GenerationMixin, "generate", real)
     manifest = run_distill(config)
     assert manifest["stages"]["responses"]["responses"] == 24

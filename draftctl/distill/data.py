@@ -104,7 +104,8 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
             bar.update(len(batch))
             if on_batch is not None:
                 on_batch({"responses": len(batch), "tokens": tokens - batch_tokens,
-                          "seconds": time.perf_counter() - batch_started})
+                          "seconds": time.perf_counter() - batch_started,
+                          "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")})
     bar.close()
     return {"responses": written, "tokens": tokens, "seconds": time.perf_counter() - started}
 
@@ -125,7 +126,10 @@ def record_stage(folder: Path, stage: str, done: dict, new_run: bool = True) -> 
     entry = stages.setdefault(stage, {"runs": 0})
     entry["runs"] += int(new_run)
     for key, value in done.items():
-        entry[key] = entry.get(key, 0) + value
+        if isinstance(value, str):  # a setting (e.g. the dtype): every value it took
+            entry[key] = sorted({*entry.get(key, []), value})
+        else:
+            entry[key] = entry.get(key, 0) + value
     if entry.get("tokens") and entry.get("seconds"):
         entry["tokens_per_s"] = entry["tokens"] / entry["seconds"]
     tmp = path.with_suffix(".tmp")

@@ -233,7 +233,8 @@ def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, 
                 _atomic_save(saved, path)
             if on_part is not None:
                 on_part({"tokens": sum(len(items[i][0]) for i in index),
-                         "seconds": time.perf_counter() - part_started})
+                         "seconds": time.perf_counter() - part_started,
+                         "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")})
         for k, i in enumerate(index):
             labels[i] = saved["labels"][k]
             if features is not None:
