@@ -42,8 +42,8 @@ def _demo(args: argparse.Namespace) -> int:
     from draftctl.bench.report import format_table, setup_line
 
     job = quick_demo() if args.quick else DemoJob()
-    for key in ("prompts", "collect_per_category", "bench_per_category", "max_new_tokens",
-                "device", "out"):
+    for key in ("prompts", "draft", "collect_per_category", "bench_per_category",
+                "max_new_tokens", "device", "out"):
         if getattr(args, key) is not None:
             setattr(job, key, getattr(args, key))
     summary = run_demo(job)
@@ -282,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true",
                       help="the same stages on 5 + 2 prompts and 24 new tokens (about 2 min)")
     demo.add_argument("--prompts", help="JSONL prompt file (default: draftctl's own set)")
+    demo.add_argument("--draft", help="draft spec or folder (default: the shipped draft)")
     demo.add_argument("--collect-per-category", type=int,
                       help="train+dev prompts per category to collect traces on (default 12)")
     demo.add_argument("--bench-per-category", type=int,

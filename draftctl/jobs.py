@@ -90,6 +90,7 @@ class DemoJob:
     k_probe: int = 8
     kinds: list[str] = field(default_factory=lambda: ["logreg", "mlp"])
     target: str = DEFAULT_TARGET
+    draft: str | None = None  # default: the target's shipped draft
     device: str = "cpu"
     seed: int = 0
     out: str = "runs/demo"
@@ -107,8 +108,9 @@ def run_demo(job: DemoJob) -> dict:
     from draftctl.export.onnx import export_onnx
     from draftctl.train.run import TrainConfig, run_train
 
-    if default_draft(job.target) is None:
-        raise JobError(f"the demo runs the built-in pair; {job.target!r} has no shipped draft")
+    if job.draft is None and default_draft(job.target) is None:
+        raise JobError(f"the demo runs the built-in pair; {job.target!r} has no shipped draft: "
+                       "pass --draft SPEC")
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(job, out / "demo.yaml")
@@ -117,9 +119,10 @@ def run_demo(job: DemoJob) -> dict:
     _stage(1, stages, "collect dense traces on the train and dev prompts")
     traces = out / "traces"
     run_collect(CollectConfig(
-        target=job.target, prompts=job.prompts, split="train,dev", limit=job.collect_limit,
-        per_category=job.collect_per_category, mode="dense", k_probe=job.k_probe,
-        max_new_tokens=job.max_new_tokens, seed=job.seed, device=job.device, out=str(traces)))
+        target=job.target, draft=job.draft, prompts=job.prompts, split="train,dev",
+        limit=job.collect_limit, per_category=job.collect_per_category, mode="dense",
+        k_probe=job.k_probe, max_new_tokens=job.max_new_tokens, seed=job.seed,
+        device=job.device, out=str(traces)))
 
     learned, trained = [], {}
     for i, kind in enumerate(job.kinds):
@@ -140,7 +143,7 @@ def run_demo(job: DemoJob) -> dict:
     bench = run_bench(BenchConfig(
         prompts=job.prompts, split="test", limit=job.bench_limit,
         per_category=job.bench_per_category, controllers=controllers, target=job.target,
-        max_new_tokens=job.max_new_tokens, max_draft=job.k_probe, seed=job.seed,
+        draft=job.draft, max_new_tokens=job.max_new_tokens, max_draft=job.k_probe, seed=job.seed,
         device=job.device, out=str(out / "bench")))
     _stage(stages, stages, "done")
     summary = {"bench": bench, "dev_choices": choices, "trained": trained,

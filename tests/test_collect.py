@@ -211,3 +211,16 @@ def test_two_ranks_take_disjoint_prompts_whose_union_is_the_set(pair, tmp_path):
         by_rank.setdefault(prompt_id % 2, set()).add(prompt_id)
     assert "rank 0/2" in done.stdout and "rank 1/2" in done.stdout
     assert set().union(*by_rank.values()) == set(range(10))
+
+
+def test_demo_runs_on_the_pair_it_is_given(pair, tmp_path):
+    from draftctl.jobs import DemoJob, run_demo
+
+    target, draft, prompts = pair
+    summary = run_demo(DemoJob(target=target, draft=draft, prompts=prompts,
+                               collect_per_category=None, collect_limit=6,
+                               bench_per_category=None, bench_limit=2, max_new_tokens=8,
+                               k_probe=4, kinds=["logreg"], out=str(tmp_path / "demo")))
+    bench = summary["bench"]
+    assert bench["draft"] == draft and bench["mismatches"] == 0
+    assert any(row["spec"].startswith("onnx:") for row in bench["controllers"])
