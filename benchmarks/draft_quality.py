@@ -14,7 +14,8 @@ and once: (d) the draft's step (a one-token proposal) over the target's step, fr
 The target's greedy output comes from the ``static:4`` run itself (greedy SD is lossless; the
 script checks it against plain decoding on the first prompts of each set).
 
-    python benchmarks/draft_quality.py [--draft smollm2-135m-draft] [--limit 60]
+    python benchmarks/draft_quality.py [--draft smollm2-135m-draft] [--per-category 10]
+        [--split train,dev,test]
 """
 
 from __future__ import annotations
@@ -103,8 +104,12 @@ def main() -> None:
     parser.add_argument("--draft", default=None, help="default: the target's shipped draft")
     parser.add_argument("--prompts", nargs="+", default=[str(SPEC_BENCH), "draftctl"],
                         help="JSONL prompt sets; 'draftctl' is draftctl's own set")
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--limit", type=int, default=60)
+    parser.add_argument("--split", default="test",
+                        help="a split, or several joined by commas, each reported on its own "
+                             "(train,dev,test: does the draft see every split alike?)")
+    parser.add_argument("--per-category", type=int, default=10,
+                        help="prompts per task group of each set and split")
+    parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -118,10 +123,15 @@ def main() -> None:
     decoder = SpeculativeDecoder.from_loaded(
         target, draft, DecodeConfig(max_new_tokens=args.max_new_tokens, pass_shape=setup.shape))
     sets = {}
+    splits = args.split.split(",")
     for path in args.prompts:
-        prompts = load_prompts(None if path == "draftctl" else path, args.split, args.limit)
-        sets[path] = quality(decoder, target, draft, prompts)
+        for split in splits:
+            prompts = load_prompts(None if path == "draftctl" else path, split, args.limit,
+                                   args.per_category)
+            key = path if len(splits) == 1 else f"{path} [{split}]"
+            sets[key] = quality(decoder, target, draft, prompts)
     report = {"target": args.target, "draft": draft_spec, "split": args.split,
+              "per_category": args.per_category,
               "max_new_tokens": args.max_new_tokens, "sets": sets, "step_cost": step_cost(setup),
               **setup.describe(), "threads": torch.get_num_threads(),
               "device": str(target.device)}
