@@ -105,7 +105,7 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
             if on_batch is not None:
                 on_batch({"responses": len(batch), "tokens": tokens - batch_tokens,
                           "seconds": time.perf_counter() - batch_started,
-                          "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")})
+                          "dtype": dtype_of(model)})
     bar.close()
     return {"responses": written, "tokens": tokens, "seconds": time.perf_counter() - started}
 
@@ -136,6 +136,11 @@ def record_stage(folder: Path, stage: str, done: dict, new_run: bool = True) -> 
     tmp.write_text(json.dumps(stages, indent=2))
     os.replace(tmp, path)
     return stages
+
+
+def dtype_of(model) -> str:
+    """The dtype a model computes in, as the ledger records it ("float32")."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def ledger(folder: Path, stage: str) -> Callable[[dict], None]:

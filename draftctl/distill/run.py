@@ -29,6 +29,7 @@ from tqdm import tqdm
 from draftctl.config import save_config
 from draftctl.distill.data import (
     choose_head_ids,
+    dtype_of,
     generate_responses,
     ledger,
     ranked_tokens,
@@ -234,7 +235,7 @@ def teacher_labels(model, rows: list[dict], head_ids: torch.Tensor, top_k: int, 
             if on_part is not None:
                 on_part({"tokens": sum(len(items[i][0]) for i in index),
                          "seconds": time.perf_counter() - part_started,
-                         "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")})
+                         "dtype": dtype_of(model)})
         for k, i in enumerate(index):
             labels[i] = saved["labels"][k]
             if features is not None:
