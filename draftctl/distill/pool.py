@@ -294,6 +294,7 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
     dup = near_duplicates(texts, cfg.near_duplicate)
     close = near_duplicates(texts, cfg.exclude_similarity, against=protected)
     kept = [c for c, d, e in zip(candidates, dup, close) if not (d or e)]
+    rng.shuffle(kept)  # sources interleaved, so any prefix (distill --limit) is a fair sample
     lines = [json.dumps({"question_id": FIRST_ID + i, "category": c["category"],
                          "turns": [c["text"]], "source": c["source"]}, ensure_ascii=False)
              for i, c in enumerate(kept)]
