@@ -15,6 +15,9 @@ from draftctl.jobs import DecodeJob, DemoJob, quick_demo, run_decode, run_demo
 from draftctl.models import default_draft
 
 
+BATCH_DTYPE_HELP = ("the target's dtype for its batched generation and labels: auto (default: "
+                    "its fastest batched pass in the calibrated profile), float32 or bfloat16")
+
 def _decode(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
         "prompt", "target", "draft", "drafter", "controller", "max_new_tokens", "max_draft",
@@ -65,8 +68,8 @@ def _distill(args: argparse.Namespace) -> int:
     from draftctl.distill.run import DistillConfig, run_distill
 
     overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
-                 "steps": args.steps, "time_budget_min": args.time_budget_min,
-                 "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir}
+                 "limit": args.limit, "steps": args.steps,
+                 "time_budget_min": args.time_budget_min, "dtype": args.dtype, "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir}
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
     print(f"draft written to {manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
@@ -78,7 +81,7 @@ def _pool(args: argparse.Namespace) -> int:
     from draftctl.distill.pool import PoolConfig, run_pool
 
     overrides = {"target": args.target, "out": args.out, "exclude": args.exclude,
-                 "seed": args.seed}
+                 "seed": args.seed, "dtype": args.dtype}
     manifest = run_pool(load_config(PoolConfig, args.config, overrides))
     print(f"pool: {manifest['prompts']} prompts from {manifest['candidates']} candidates "
           f"({manifest['near_duplicates']} near duplicates, {manifest['too_close_to_excluded']}"
@@ -304,8 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "reading the target's hidden states (needs feature_layers)")
     dist.add_argument("--data-dir", help="where responses and labels live (default OUT/data); "
                                          "another run's, to train on its data")
+    dist.add_argument("--limit", type=int,
+                      help="learn from the first N prompts only (held-out ones included)")
     dist.add_argument("--steps", type=int)
     dist.add_argument("--time-budget-min", type=float)
+    dist.add_argument("--dtype", help=BATCH_DTYPE_HELP)
     dist.set_defaults(func=_distill)
 
     pool = sub.add_parser("pool", help="build a prompt pool a draft may learn from (self-instruct "
@@ -316,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="prompt files the pool must not share a prompt with (draftctl's own "
                            "set is always excluded)")
     pool.add_argument("--seed", type=int)
+    pool.add_argument("--dtype", help=BATCH_DTYPE_HELP)
     pool.add_argument("--out", help="output folder (resumes what it finds there)")
     pool.set_defaults(func=_pool)
 
