@@ -16,7 +16,7 @@ from tests.conftest import make_decoder, tiny_pair
 VOCAB = 6
 PROMPT = [1, 4, 2]
 N_TOKENS = 3
-N_SAMPLES = 20_000
+N_SAMPLES = 12_000
 SAMPLING = {"temperature": 0.9, "top_k": 5, "top_p": 1.0}
 
 
