@@ -15,8 +15,9 @@ from draftctl.jobs import DecodeJob, DemoJob, quick_demo, run_decode, run_demo
 from draftctl.models import default_draft
 
 
-BATCH_DTYPE_HELP = ("the target's dtype for its batched generation and labels: auto (default: "
-                    "its fastest batched pass in the calibrated profile), float32 or bfloat16")
+BATCH_DTYPE_HELP = ("the target's dtype for this batch job: auto (default: its fastest batched "
+                    "pass in the calibrated profile), float32 or bfloat16")
+
 
 def _decode(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in (
@@ -69,7 +70,8 @@ def _distill(args: argparse.Namespace) -> int:
 
     overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
                  "limit": args.limit, "steps": args.steps,
-                 "time_budget_min": args.time_budget_min, "dtype": args.dtype, "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir}
+                 "time_budget_min": args.time_budget_min, "dtype": args.dtype,
+                 "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir}
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
     print(f"draft written to {manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
