@@ -285,3 +285,30 @@ def test_a_draft_is_refused_for_a_target_it_was_not_distilled_from(setup, tmp_pa
         load_model(config.out, "cpu", target=other)
     with pytest.raises(DraftctlError, match="head ids up to 97, outside the vocabulary"):
         check_draft_target(Path(config.out), torch.tensor([0, 5, 97]), target)
+
+
+def test_bfloat16_training_runs_under_autocast_and_stays_lossless(setup):
+    """``train_dtype: bfloat16`` changes the training passes (not the data): on the same data
+    a float32 rerun reproduces the float32 draft, the bfloat16 run does not, and its draft is
+    still lossless. An unknown train_dtype is refused by name."""
+    from dataclasses import replace
+
+    teacher_spec, config = setup
+    first = run_distill(config)
+    data = str(Path(config.out) / "data")
+    again = run_distill(replace(config, out=str(Path(config.out).parent / "again"),
+                                data_dir=data))
+    low = replace(config, out=str(Path(config.out).parent / "bf16"), data_dir=data,
+                  train_dtype="bfloat16")
+    manifest = run_distill(low)
+    assert again["training"]["history"] == first["training"]["history"]
+    assert manifest["training"]["history"][-1] != first["training"]["history"][-1]
+    assert manifest["config"]["train_dtype"] == "bfloat16"
+    target = load_model(teacher_spec, "cpu")
+    draft = load_model(low.out, "cpu", target=target)
+    decoder = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=16))
+    ids = target.tokenizer("w3 w4 w5")["input_ids"]
+    reference = generate(decoder, ids, make_controller("none")).output_ids
+    assert generate(decoder, ids, make_controller("static:3")).output_ids == reference
+    with pytest.raises(DraftctlError, match="train_dtype must be one of float32, bfloat16"):
+        run_distill(replace(config, train_dtype="float16"))
