@@ -53,6 +53,9 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 # Drafts distilled by draftctl and shipped inside the package (``draftctl distill``).
 BUILTIN_DRAFTS: dict[str, Path] = {
     "smollm2-135m-draft": Path(__file__).parent / "data" / "drafts" / "smollm2-135m-draft",
+    # a feature draft (EAGLE-3 style) learned from draftctl's prompt pool only, recipe v5
+    "smollm2-135m-feature-draft":
+        Path(__file__).parent / "data" / "drafts" / "smollm2-135m-feature-draft",
 }
 DEFAULT_DRAFTS = {"smollm2-135m-instruct": "smollm2-135m-draft"}
 

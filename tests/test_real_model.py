@@ -170,6 +170,27 @@ def test_shipped_draft_is_lossless_with_the_builtin_target(smollm2):
     assert accepted / drafted > 0.05  # a broken or mismatched draft would accept ~nothing
 
 
+def test_shipped_feature_draft_is_lossless_and_learned_from_the_pool_only(smollm2):
+    from draftctl.distill.feature import FeatureDraftLM
+
+    folder = BUILTIN_DRAFTS["smollm2-135m-feature-draft"]
+    assert (folder / "model.safetensors").stat().st_size <= 20e6
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["data"]["pool"] is not None and manifest["data"]["split"] == "all"
+    draft = load_model("smollm2-135m-feature-draft", "cpu", target=smollm2)
+    assert isinstance(draft.model, FeatureDraftLM)
+    decoder = SpeculativeDecoder.from_loaded(smollm2, draft, DecodeConfig(max_new_tokens=24))
+    accepted = drafted = 0
+    for prompt in load_prompts(split="test", limit=2):
+        ids = encode_prompt(smollm2.tokenizer, prompt.text)
+        reference = generate(decoder, ids, make_controller("none")).output_ids
+        result = generate(decoder, ids, make_controller("static:4"))
+        assert result.output_ids == reference, prompt.question_id
+        accepted += sum(r.n_accepted for r in result.rounds)
+        drafted += sum(r.drafted for r in result.rounds)
+    assert accepted / drafted > 0.05
+
+
 def test_shipped_draft_loads_on_its_own_offline():
     draft = load_model("smollm2-135m-draft", "cpu")
     assert len(draft.tokenizer) == 49152
