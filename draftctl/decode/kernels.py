@@ -11,7 +11,9 @@ view replaces both:
   (``torch.ops.mkldnn``), whose rows do not depend on how many rows the product has, from two
   rows up: for a single row oneDNN may take a matrix-vector kernel (seen on an AVX-512 Xeon:
   the 1536-to-576 MLP projection rounds one row differently alone), so a one-row input is fed
-  as two copies of the row;
+  as two copies of the row; and only up to a point: on an AMX Xeon in bfloat16, products of
+  33 rows or more round rows differently from products of 1 to 32, so the view feeds the rows
+  in products of at most ``LINEAR_BLOCK`` rows (a one-row remainder again as two copies);
 - attention: one query row takes another path (``pack_gqa``, another SDPA kernel). The view
   feeds queries in blocks of ``QUERY_BLOCK`` rows, the last block padded by repeating its last
   row (padding dropped after), so every attention call has the same query count. Keys are
@@ -36,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from draftctl.errors import DecodeInputError
 
 QUERY_BLOCK = 16  # query rows of every attention call in the view
+LINEAR_BLOCK = 32  # the most rows of any linear product in the view
 ATTENTION = "draftctl_query_blocks"  # the view's attention implementation (registered below)
 
 
@@ -80,11 +83,15 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
         rows = x.reshape(-1, x.shape[-1])
+        y = torch.cat([self._product(block, bias) for block in rows.split(LINEAR_BLOCK)])
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         single = rows.shape[0] == 1
         if single:  # oneDNN's one-row kernel rounds differently: compute it as a 2-row product
             rows = rows.expand(2, -1)
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
-        return (y[:1] if single else y).reshape(*x.shape[:-1], self.out_features)
+        return y[:1] if single else y
 
 
 def supported(model: nn.Module) -> str | None:
