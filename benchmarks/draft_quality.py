@@ -9,13 +9,16 @@ it reports, in one run:
   (b) mean ``beta = sum_v min(p, q)`` at temperature 1 along the same output;
   (c) mean accepted draft tokens per round with ``static:4``, the share of rounds whose first
       draft token is accepted, and tau (which adds the bonus token);
+  (e) the drafter's own greedy agreement as it drafts live (``--drafter model+lookup``: with
+      context lookup), from its batched continuations after every prefix of the output: its
+      first token, and its second where the first was right;
 and once: (d) the draft's step (a one-token proposal) over the target's step, from the profile
 (the target's step is a one-token pass at the pass shape decoding really uses, and unpadded).
 The target's greedy output comes from the ``static:4`` run itself (greedy SD is lossless; the
 script checks it against plain decoding on the first prompts of each set).
 
     python benchmarks/draft_quality.py [--draft smollm2-135m-draft] [--per-category 10]
-        [--split train,dev,test]
+        [--split train,dev,test] [--drafter model+lookup]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tqdm import tqdm
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate
 from draftctl.distill.feature import FeatureDraftLM, agreement
+from draftctl.drafters import parse_drafter
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import settle
 from draftctl.prompts import load_prompts
@@ -59,6 +63,25 @@ def along_output(target, draft, prompt_ids: list[int], output_ids: list[int]) ->
     return {"hits": [hits], "beta": float(torch.minimum(p, q).sum()), "positions": n}
 
 
+@torch.inference_mode()
+def drafter_hits(decoder, prompt_ids: list[int], output_ids: list[int]) -> tuple[int, int, int]:
+    """The live drafter's greedy continuations after every prefix of the output (what
+    ``propose`` drafts there): (first tokens right, second tokens right after a right first,
+    first tokens drafted)."""
+    seq = torch.tensor(prompt_ids + output_ids, device=decoder.device)
+    target, drafter = decoder.target, decoder.drafter
+    hidden = None
+    if drafter.hidden_layers:
+        target.reset()
+        _, hidden = target.prefill_hidden(seq[:-1], drafter.hidden_layers, keep=1)
+        target.reset()
+    tokens, _ = drafter.continuations(seq, len(prompt_ids), 2, hidden)
+    truth = seq[len(prompt_ids):]
+    first = tokens[:, 0] == truth
+    second = first[:-1] & (tokens[:-1, 1] == truth[1:])
+    return int(first.sum()), int(second.sum()), len(truth)
+
+
 def step_cost(setup) -> dict:
     """The draft's one-token proposal over the target's step, as calibrate measured them."""
     profile = setup.profile
@@ -75,6 +98,7 @@ def quality(decoder, target, draft, prompts, check: int = 3) -> dict:
     positions = 0
     beta = 0.0
     accepted = rounds = first = new_tokens = 0
+    live = [0, 0, 0]
     for i, prompt in enumerate(tqdm(prompts, desc="draft quality", unit="prompt")):
         ids = encode_prompt(target.tokenizer, prompt.text)
         result = generate(decoder, ids, make_controller("static:4"))
@@ -82,6 +106,7 @@ def quality(decoder, target, draft, prompts, check: int = 3) -> dict:
             plain = generate(decoder, ids, make_controller("none"))
             assert plain.output_ids == result.output_ids, "greedy SD differs from plain decoding"
         got = along_output(target, draft, ids, result.output_ids)
+        live = [a + b for a, b in zip(live, drafter_hits(decoder, ids, result.output_ids))]
         hits = [a + b for a, b in zip(hits, got["hits"])] if hits else got["hits"]
         beta, positions = beta + got["beta"], positions + got["positions"]
         drafted = [r for r in result.rounds if r.draft_tokens]
@@ -92,7 +117,9 @@ def quality(decoder, target, draft, prompts, check: int = 3) -> dict:
     report = {"prompts": len(prompts), "positions": positions,
               "greedy_agreement": hits[0] / positions, "mean_beta_t1": beta / positions,
               "static4_accepted_per_round": accepted / rounds,
-              "static4_first_token_accepted": first / rounds, "static4_tau": new_tokens / rounds}
+              "static4_first_token_accepted": first / rounds, "static4_tau": new_tokens / rounds,
+              "drafter_agreement": live[0] / live[2],
+              "drafter_agreement_step2": live[1] / max(1, live[0])}
     if len(hits) > 1:
         report["greedy_agreement_step2"] = hits[1] / positions
     return report
@@ -102,6 +129,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=None, help="default: the target's shipped draft")
+    parser.add_argument("--drafter", default=None,
+                        help="model+lookup: the draft mixed with context lookup (default model)")
     parser.add_argument("--prompts", nargs="+", default=[str(SPEC_BENCH), "draftctl"],
                         help="JSONL prompt sets; 'draftctl' is draftctl's own set")
     parser.add_argument("--split", default="test",
@@ -120,8 +149,12 @@ def main() -> None:
     setup = settle(args.target, draft_spec, args.device, args.dtype, need_profile=True)
     target = load_model(args.target, args.device, setup.target_dtype)
     draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target)
+    drafter = parse_drafter(args.drafter)
+    if not drafter.uses_model:
+        parser.error("--drafter: this measures a draft model, alone or model+lookup")
     decoder = SpeculativeDecoder.from_loaded(
-        target, draft, DecodeConfig(max_new_tokens=args.max_new_tokens, pass_shape=setup.shape))
+        target, draft, DecodeConfig(max_new_tokens=args.max_new_tokens, pass_shape=setup.shape),
+        drafter.lookup)
     sets = {}
     splits = args.split.split(",")
     for path in args.prompts:
@@ -130,7 +163,8 @@ def main() -> None:
                                    args.per_category)
             key = path if len(splits) == 1 else f"{path} [{split}]"
             sets[key] = quality(decoder, target, draft, prompts)
-    report = {"target": args.target, "draft": draft_spec, "split": args.split,
+    report = {"target": args.target, "draft": draft_spec, "drafter": drafter.text,
+              "split": args.split,
               "per_category": args.per_category,
               "max_new_tokens": args.max_new_tokens, "sets": sets, "step_cost": step_cost(setup),
               **setup.describe(), "threads": torch.get_num_threads(),

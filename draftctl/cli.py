@@ -46,7 +46,7 @@ def _demo(args: argparse.Namespace) -> int:
     from draftctl.bench.report import format_table, setup_line
 
     job = quick_demo() if args.quick else DemoJob()
-    for key in ("prompts", "draft", "collect_per_category", "bench_per_category",
+    for key in ("prompts", "draft", "drafter", "collect_per_category", "bench_per_category",
                 "max_new_tokens", "device", "out"):
         if getattr(args, key) is not None:
             setattr(job, key, getattr(args, key))
@@ -274,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--target", help="target model: built-in name, .gguf, folder or hub id "
                                       "(default smollm2-135m-instruct)")
     dec.add_argument("--draft", help="draft model spec; must share the target's tokenizer")
-    dec.add_argument("--drafter", help="rest:DIR: draft from a datastore (draftctl datastore "
-                                       "build) instead of a draft model; greedy, none or static:K")
+    dec.add_argument("--drafter", help="model+lookup: the draft model mixed with context "
+                                       "lookup; lookup: context lookup alone, no model; "
+                                       "rest:DIR: a datastore (draftctl datastore build; greedy)")
     dec.add_argument("--controller", help="draft-length policy (default static:4 with a draft, "
                                           "none without)")
     _decoding_flags(dec)
@@ -288,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the same stages on 5 + 2 prompts and 24 new tokens (about 2 min)")
     demo.add_argument("--prompts", help="JSONL prompt file (default: draftctl's own set)")
     demo.add_argument("--draft", help="draft spec or folder (default: the shipped draft)")
+    demo.add_argument("--drafter", help="model+lookup: the draft model mixed with context "
+                                        "lookup (default model: the draft model alone)")
     demo.add_argument("--collect-per-category", type=int,
                       help="train+dev prompts per category to collect traces on (default 12)")
     demo.add_argument("--bench-per-category", type=int,
@@ -332,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--config", help="YAML config (see configs/collect.yaml)")
     col.add_argument("--target")
     col.add_argument("--draft")
-    col.add_argument("--drafter", help="rest:DIR: record retrieval drafts, one row per trie "
-                                       "node (--mode probe or policy)")
+    col.add_argument("--drafter", help="model+lookup: the draft model mixed with context "
+                                       "lookup; lookup or rest:DIR (one row per trie node): "
+                                       "--mode probe or policy")
     col.add_argument("--prompts", help="JSONL prompts (turns or prompt field) or a datasets folder")
     col.add_argument("--split", help="train, dev, test, all, or several joined by commas")
     col.add_argument("--limit", type=int, help="keep the first N prompts")
@@ -368,9 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "confidence,pmin,svip,oracle)")
     be.add_argument("--target")
     be.add_argument("--draft")
-    be.add_argument("--drafter", help="rest:DIR: retrieval drafts from a datastore for every "
-                                      "controller; or give one controller a drafter of its own: "
-                                      "static:10@rest:DIR next to model-draft controllers")
+    be.add_argument("--drafter", help="model+lookup, lookup or rest:DIR for every controller; "
+                                      "or give one controller a drafter of its own: "
+                                      "static:4@model+lookup next to model-draft controllers")
     _decoding_flags(be)
     be.add_argument("--engine", choices=("draftctl", "hf"),
                     help="draftctl (default): draftctl's decoder; hf: transformers' generate() "

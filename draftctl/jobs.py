@@ -11,11 +11,10 @@ from tqdm import tqdm
 from draftctl.config import save_config
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodingOptions, GenerationResult, SpeculativeDecoder, generate
-from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.drafters import parse_drafter
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
-from draftctl.retrieval import is_retrieval, make_retriever
 
 
 class JobError(DraftctlError):
@@ -27,7 +26,8 @@ class DecodeJob(DecodingOptions):
     prompt: str = ""
     target: str = DEFAULT_TARGET
     draft: str | None = None
-    drafter: str | None = None  # rest:DIR drafts from a datastore instead of a draft model
+    # model (the draft model), model+lookup, lookup or rest:DIR (``draftctl.drafters``)
+    drafter: str | None = None
     controller: str = "static:4"
     device: str = "auto"
     chat: bool = True
@@ -51,23 +51,19 @@ def run_decode(job: DecodeJob) -> Decoded:
     controller = make_controller(job.controller)
     if not job.prompt.strip():
         raise JobError("the prompt is empty: pass --prompt TEXT")
-    retrieval = is_retrieval(job.drafter)
-    if job.drafter is not None and not retrieval:
-        raise JobError(f"unknown drafter {job.drafter!r}: use rest:DIR (or --draft for a model)")
-    draft_spec = None if retrieval else job.draft or default_draft(job.target)
-    if controller.max_draft() > 0 and draft_spec is None and not retrieval:
+    drafter = parse_drafter(job.drafter)
+    draft_spec = job.draft or default_draft(job.target) if drafter.uses_model else None
+    if controller.max_draft() > 0 and draft_spec is None and drafter.uses_model:
         raise JobError(f"controller {job.controller!r} drafts tokens, so it needs a draft "
                        "model: pass --draft SPEC (a model sharing the target's tokenizer), "
-                       "or --controller none for plain decoding")
+                       "--drafter lookup, or --controller none for plain decoding")
     setup = settle(job.target, draft_spec, job.device, job.dtype, job.pass_shape, job.profile)
     config = job.decode_config(setup.shape)
     target = load_model(job.target, job.device, setup.target_dtype)
-    if retrieval:
-        draft = RetrievalDrafter(make_retriever(job.drafter, target.tokenizer))
-    else:
-        draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \
-            if draft_spec else None
-    decoder = SpeculativeDecoder.from_loaded(target, draft, config)
+    draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \
+        if draft_spec else None
+    decoder = SpeculativeDecoder.from_loaded(target, drafter.source(target, draft), config,
+                                             drafter.lookup)
     result = generate(decoder, encode_prompt(target.tokenizer, job.prompt, chat=job.chat),
                       controller)
     return Decoded(result, target.tokenizer.decode(result.output_ids, skip_special_tokens=True),
@@ -91,6 +87,7 @@ class DemoJob:
     kinds: list[str] = field(default_factory=lambda: ["logreg", "mlp"])
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
+    drafter: str | None = None  # model (default) or model+lookup (``draftctl.drafters``)
     device: str = "cpu"
     seed: int = 0
     out: str = "runs/demo"
@@ -119,7 +116,8 @@ def run_demo(job: DemoJob) -> dict:
     _stage(1, stages, "collect dense traces on the train and dev prompts")
     traces = out / "traces"
     run_collect(CollectConfig(
-        target=job.target, draft=job.draft, prompts=job.prompts, split="train,dev",
+        target=job.target, draft=job.draft, drafter=job.drafter, prompts=job.prompts,
+        split="train,dev",
         limit=job.collect_limit, per_category=job.collect_per_category, mode="dense",
         k_probe=job.k_probe, max_new_tokens=job.max_new_tokens, seed=job.seed,
         device=job.device, out=str(traces)))
@@ -143,7 +141,8 @@ def run_demo(job: DemoJob) -> dict:
     bench = run_bench(BenchConfig(
         prompts=job.prompts, split="test", limit=job.bench_limit,
         per_category=job.bench_per_category, controllers=controllers, target=job.target,
-        draft=job.draft, max_new_tokens=job.max_new_tokens, max_draft=job.k_probe, seed=job.seed,
+        draft=job.draft, drafter=job.drafter, max_new_tokens=job.max_new_tokens,
+        max_draft=job.k_probe, seed=job.seed,
         device=job.device, out=str(out / "bench")))
     _stage(stages, stages, "done")
     summary = {"bench": bench, "dev_choices": choices, "trained": trained,

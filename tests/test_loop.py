@@ -228,7 +228,7 @@ def test_token_class_features_come_from_the_tokenizer():
         assert classes[special] == -1
     words = [i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i).startswith("w")]
     assert words and {int(classes[i]) for i in words} <= {0, 1}
-    record = make_record([0.5, *[0.1] * 10, 0.2, 3.0], 1, None, SequenceState(4))
+    record = make_record([0.5, *[0.1] * 10, 0.2, 3.0, 0, 0, 0], 1, None, SequenceState(4))
     assert dict(zip(TOKEN_CLASS_FEATURES, record.to_vector()[-9:-4])) == {
         "tok_word_start": 0.0, "tok_word_piece": 0.0, "tok_digit": 0.0, "tok_punct": 1.0,
         "tok_space": 0.0}

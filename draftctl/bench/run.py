@@ -16,15 +16,13 @@ from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode import DecodeConfig, DecodingOptions, SpeculativeDecoder, generate
 from draftctl.decode.loop import GenerationResult
-from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.drafters import MODEL, parse_drafter
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
 from draftctl.prompts import load_prompts
-from draftctl.retrieval import is_retrieval, make_retriever
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
-MODEL = "model"  # the draft model (--draft), as opposed to a rest:DIR drafter
 FASTEST = "ar-fastest"  # plain decoding in the fastest dtype, unpadded (not the reference)
 
 
@@ -37,7 +35,8 @@ class BenchConfig(DecodingOptions):
     controllers: list[str] | None = None  # None: the engine's defaults
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
-    # rest:DIR: retrieval drafts for every controller without its own @DRAFTER suffix
+    # a drafter (model+lookup, lookup, rest:DIR) for every controller without its own
+    # @DRAFTER suffix
     drafter: str | None = None
     device: str = "auto"
     plots: bool = True
@@ -131,9 +130,11 @@ def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec
     for spec in specs:
         mine = [r for r in runs if r.spec == spec]
         drafter = (drafter_of or {}).get(spec, MODEL)
-        row = {"spec": spec, "drafter": draft_spec if drafter == MODEL else drafter,
-               "verify": "chain" if drafter == MODEL else "tree",
-               "bit_exact": drafter == MODEL and (setup is None or setup.shape.exact),
+        tree = parse_drafter(drafter).tree
+        row = {"spec": spec, "drafter": drafter.replace(MODEL, draft_spec, 1)
+               if parse_drafter(drafter).uses_model else drafter,
+               "verify": "tree" if tree else "chain",
+               "bit_exact": not tree and (setup is None or setup.shape.exact),
                **summarize(mine, ar["tokens_per_s"])}
         row["speedup_vs_fastest_ar"] = row["tokens_per_s"] / fastest["tokens_per_s"] \
             if fastest else None
@@ -181,20 +182,21 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         raise DraftctlError("the oracle needs greedy decoding (temperature 0): under sampling "
                             "the target's continuation is random")
     specs = [s for s in specs if s != "none"]
-    if cfg.drafter is not None and not is_retrieval(cfg.drafter):
-        raise DraftctlError(f"unknown drafter {cfg.drafter!r}: use rest:DIR (or --draft)")
-    drafter_of, controllers = {}, {}
+    parse_drafter(cfg.drafter)
+    drafter_of, controllers, parsed = {}, {}, {}
     for spec in specs:
         controller_spec, drafter = split_drafter(spec)
         drafter = drafter or cfg.drafter or MODEL
-        if drafter != MODEL and not is_retrieval(drafter):
-            raise DraftctlError(f"{spec}: unknown drafter {drafter!r}: use rest:DIR")
+        try:
+            parsed[drafter] = parse_drafter(drafter)
+        except DraftctlError as err:
+            raise DraftctlError(f"{spec}: {err}") from None
         drafter_of[spec], controllers[spec] = drafter, make_controller(controller_spec)
-        if is_retrieval(drafter) and isinstance(controllers[spec], ReferenceOracle):
-            raise DraftctlError(f"{spec}: the oracle follows a model draft's chain; it does not "
-                                "apply to retrieval drafts")
+        if parsed[drafter].tree and isinstance(controllers[spec], ReferenceOracle):
+            raise DraftctlError(f"{spec}: the oracle follows a chain; it does not apply to "
+                                "retrieval drafts")
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit, cfg.per_category)
-    uses_model = [s for s, d in drafter_of.items() if d == MODEL and (
+    uses_model = [s for s, d in drafter_of.items() if parsed[d].uses_model and (
         isinstance(controllers[s], ReferenceOracle) or controllers[s].max_draft() > 0)]
     draft_spec = cfg.draft or default_draft(cfg.target) if uses_model else None
     if uses_model and draft_spec is None:
@@ -216,12 +218,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             cfg.target, cfg.device, fast_dtype)
         fast_decoder = SpeculativeDecoder.from_loaded(
             fast_target, None, replace(decode_config, pass_shape=fast_shape))
-    retrievers = {d: make_retriever(d, target.tokenizer)
-                  for d in dict.fromkeys(drafter_of.values()) if d != MODEL}
+    parsed.setdefault(MODEL, parse_drafter(MODEL))
+    sources = {d: spec.source(target, draft) for d, spec in parsed.items()}
 
     def make_decoder(drafter: str, config: DecodeConfig) -> SpeculativeDecoder:
-        source = draft if drafter == MODEL else RetrievalDrafter(retrievers[drafter])
-        return SpeculativeDecoder.from_loaded(target, source, config)
+        return SpeculativeDecoder.from_loaded(target, sources[drafter], config,
+                                              parsed[drafter].lookup)
 
     drafters = list(dict.fromkeys([MODEL, *drafter_of.values()]))
     decoders = {d: make_decoder(d, decode_config) for d in drafters}
@@ -229,7 +231,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     encoded = [encode_prompt(target.tokenizer, p.text) for p in prompts]
     for ids in tqdm(encoded, desc="warm-up", unit="prompt", disable=not progress):
         for drafter, decoder in warm.items():  # per-shape kernel set-up, untimed
-            usable = drafter != MODEL or draft is not None
+            usable = sources[drafter] is not None
             generate(decoder, ids, make_controller("static:1" if usable else "none"))
         if fast_decoder is not None:
             generate(fast_decoder, ids, make_controller("none"))

@@ -25,7 +25,7 @@ from draftctl.decode.features import (
     entropy,
     make_record,
 )
-from draftctl.drafters.retrieval import RetrievalDrafter
+from draftctl.drafters import DrafterSpec, parse_drafter
 from draftctl.errors import DraftctlError
 from draftctl.models import (
     DEFAULT_TARGET,
@@ -36,7 +36,6 @@ from draftctl.models import (
 )
 from draftctl.profile import Setup, curve, settle, shape_curve
 from draftctl.prompts import load_prompts
-from draftctl.retrieval import is_retrieval, make_retriever
 
 MODES = ("probe", "policy", "dense")
 
@@ -45,7 +44,8 @@ MODES = ("probe", "policy", "dense")
 class CollectConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
-    drafter: str | None = None  # rest:DIR: retrieval drafts (probe or policy mode)
+    # model (default), model+lookup; lookup or rest:DIR (probe or policy mode only)
+    drafter: str | None = None
     prompts: str | None = None  # JSONL or datasets folder; default: draftctl's prompt set
     split: str = "train"
     limit: int | None = None
@@ -71,11 +71,10 @@ class CollectConfig:
             raise DraftctlError(f"k_probe must be >= 1, got {self.k_probe}")
         if self.mode == "dense" and self.temperature != 0:
             raise DraftctlError("dense mode replays greedy decoding: set temperature 0")
-        if self.drafter is not None and not is_retrieval(self.drafter):
-            raise DraftctlError(f"unknown drafter {self.drafter!r}: use rest:DIR (or --draft)")
-        if is_retrieval(self.drafter) and self.mode == "dense":
+        drafter = parse_drafter(self.drafter)
+        if not drafter.uses_model and self.mode == "dense":
             raise DraftctlError("dense mode follows a draft model's greedy chain; with "
-                                "--drafter rest:DIR use --mode probe or policy")
+                                f"--drafter {drafter.kind} use --mode probe or policy")
 
     def decode_config(self, shape: PassShape) -> DecodeConfig:
         return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.k_probe,
@@ -162,16 +161,18 @@ def profile_costs(setup: Setup, shape: PassShape) -> dict:
     return costs
 
 
-def _run_info(cfg: CollectConfig, draft_spec: str, costs: dict, world: int) -> dict:
-    retrieval = is_retrieval(draft_spec)
+def _run_info(cfg: CollectConfig, drafter: DrafterSpec, draft_spec: str | None, costs: dict,
+              world: int) -> dict:
     return {
         "mode": "dense" if cfg.mode == "dense" else "rounds",
-        "drafter": "retrieval" if retrieval else "model",
+        # retrieval (trie rounds), model, model+lookup or lookup (chains)
+        "drafter": "retrieval" if drafter.tree else drafter.kind,
+        "lookup": asdict(drafter.lookup) if drafter.lookup else None,
         "policy": {"probe": f"static:{cfg.k_probe}", "policy": cfg.controller,
                    "dense": "dense"}[cfg.mode],
         "target": cfg.target, "target_sha256": model_file_sha256(cfg.target),
-        "draft": draft_spec,
-        "draft_sha256": None if retrieval else model_file_sha256(draft_spec),
+        "draft": draft_spec if drafter.uses_model else drafter.text,
+        "draft_sha256": model_file_sha256(draft_spec) if draft_spec else None,
         "decoding": {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
                      "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed},
         "k_probe": cfg.k_probe, "prompts": cfg.prompts or "draftctl built-in prompts",
@@ -183,7 +184,7 @@ def _run_info(cfg: CollectConfig, draft_spec: str, costs: dict, world: int) -> d
     }
 
 
-_COMPATIBLE = ("mode", "drafter", "policy", "target", "draft", "decoding", "k_probe", "prompts", "split",
+_COMPATIBLE = ("mode", "drafter", "lookup", "policy", "target", "draft", "decoding", "k_probe", "prompts", "split",
                "feature_schema_version")
 
 
@@ -212,27 +213,27 @@ def run_collect(cfg: CollectConfig) -> dict:
     (out / "shards").mkdir(parents=True, exist_ok=True)
     if world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    retrieval = is_retrieval(cfg.drafter)
-    draft_spec = cfg.drafter if retrieval else cfg.draft or default_draft(cfg.target)
-    if draft_spec is None:
+    drafter = parse_drafter(cfg.drafter)
+    draft_spec = cfg.draft or default_draft(cfg.target) if drafter.uses_model else None
+    if drafter.uses_model and draft_spec is None:
         raise DraftctlError(f"no draft for {cfg.target!r}: pass --draft SPEC")
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit,
                            cfg.per_category)[rank::world]
-    setup = settle(cfg.target, None if retrieval else draft_spec, cfg.device, cfg.dtype,
-                   cfg.pass_shape, cfg.profile, need_profile=True)
+    setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, cfg.pass_shape, cfg.profile,
+                   need_profile=True)
     target = load_model(cfg.target, cfg.device, setup.target_dtype)
-    if retrieval:
-        draft = RetrievalDrafter(make_retriever(draft_spec, target.tokenizer))
-    else:
-        draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target)
-    decoder = SpeculativeDecoder.from_loaded(target, draft, cfg.decode_config(setup.shape))
+    draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \
+        if draft_spec else None
+    decoder = SpeculativeDecoder.from_loaded(target, drafter.source(target, draft),
+                                             cfg.decode_config(setup.shape), drafter.lookup)
     encoded = {p.question_id: encode_prompt(target.tokenizer, p.text) for p in prompts}
 
     if (out / "run.json").is_file():
-        info = open_run_info(out, _run_info(cfg, draft_spec, None, world))
+        info = open_run_info(out, _run_info(cfg, drafter, draft_spec, None, world))
     else:
-        shape = PassShape() if retrieval else decoder.target.shape  # tries run unpadded
-        info = open_run_info(out, _run_info(cfg, draft_spec, profile_costs(setup, shape), world),
+        shape = PassShape() if drafter.tree else decoder.target.shape  # tries run unpadded
+        info = open_run_info(out, _run_info(cfg, drafter, draft_spec,
+                                            profile_costs(setup, shape), world),
                              write=rank == 0)
         if rank == 0:
             save_config(cfg, out / "collect.yaml")
@@ -256,7 +257,7 @@ def run_collect(cfg: CollectConfig) -> dict:
             rows = []
             for record in decoder.rounds(ids, controller):
                 rows += round_rows(record, run_id, prompt.question_id, prompt.category,
-                                   retrieval)
+                                   drafter.tree)
                 tokens += len(record.new_tokens)
                 drafted += record.drafted
                 accepted += record.n_accepted

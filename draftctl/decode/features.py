@@ -71,8 +71,11 @@ def check_trace_schema(info: dict, folder) -> None:
 
 
 # A drafted token's statistics row (``draft_stats``): its distribution's entropy and top
-# probabilities, the token's own probability, and its class (-1: unknown).
-STATS = 1 + TOP_K + 2
+# probabilities, the token's own probability, its class (-1: unknown), and what a context
+# lookup found for it (``draftctl.drafters.lookup``: suffix_len, occurrences and the token's
+# share of them; 0 without lookup).
+LOOKUP_STATS = 3
+STATS = 1 + TOP_K + 2 + LOOKUP_STATS
 _LOG_FLOOR = -30.0  # log q of a token the draft gave (almost) no mass: retrieval leftovers
 
 
@@ -104,6 +107,9 @@ class FeatureRecord:
     occurrences: how many continuations of it were counted.
     node_share: ``count(node) / occurrences``, the share of continuations through the node.
     token_share: ``count(node) / count(parent)``, the trie's q of the node's token.
+    Drafts with context lookup (``draftctl.drafters.lookup``) fill the same four from the
+    sequence itself: the suffix matched, its earlier occurrences, and the share of them that
+    the drafted token follows (both shares; 0 where nothing matched).
     """
 
     draft_pos: int
@@ -201,15 +207,18 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def draft_stats(probs: torch.Tensor, picked: torch.Tensor, tokens: torch.Tensor,
-                classes: torch.Tensor | None) -> torch.Tensor:
+                classes: torch.Tensor | None, lookup: torch.Tensor | None = None) -> torch.Tensor:
     """A drafted token's statistics row: ``distribution_stats(probs)``, the token's own
-    probability and its class. probs: (n, W) (the vocabulary, or a draft's head); picked: (n,)
-    the tokens' columns in ``probs``; tokens: (n,) their vocabulary ids, for ``classes`` (V,)
-    (None: unknown, -1). Returns (n, STATS) on the device of ``probs``."""
+    probability, its class and its lookup columns. probs: (n, W) (the vocabulary, or a draft's
+    head); picked: (n,) the tokens' columns in ``probs``; tokens: (n,) their vocabulary ids,
+    for ``classes`` (V,) (None: unknown, -1); lookup: (n, LOOKUP_STATS) or None (zeros).
+    Returns (n, STATS) on the device of ``probs``."""
     own = probs.gather(-1, picked.view(-1, 1))
     kind = classes[tokens.view(-1)].to(probs.dtype).view(-1, 1) if classes is not None else \
         torch.full_like(own, -1.0)
-    return torch.cat([distribution_stats(probs), own, kind], dim=-1)
+    if lookup is None:
+        lookup = probs.new_zeros((own.shape[0], LOOKUP_STATS))
+    return torch.cat([distribution_stats(probs), own, kind, lookup.to(probs.dtype)], dim=-1)
 
 
 def make_record(stats: list[float], draft_pos: int, previous: FeatureRecord | None,
@@ -220,6 +229,7 @@ def make_record(stats: list[float], draft_pos: int, previous: FeatureRecord | No
     it (None for the first), whose path features this one extends.
     """
     top, own = stats[1:1 + TOP_K], stats[1 + TOP_K]
+    suffix_len, occurrences, share = stats[3 + TOP_K:3 + TOP_K + LOOKUP_STATS]
     log_q = max(_LOG_FLOOR, math.log(own)) if own > 0 else _LOG_FLOOR
     return FeatureRecord(
         draft_pos=draft_pos,
@@ -233,6 +243,10 @@ def make_record(stats: list[float], draft_pos: int, previous: FeatureRecord | No
         prev_drafted=state.prev_drafted,
         accept_rate=state.accept_rate,
         token_class=int(stats[2 + TOP_K]),
+        suffix_len=int(suffix_len),
+        occurrences=int(occurrences),
+        node_share=share,
+        token_share=share,
     )
 
 

@@ -31,6 +31,7 @@ from draftctl.decode.features import (
 from draftctl.decode.tree import verify_tree
 from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
 from draftctl.drafters import Draft, Drafter, model_drafter
+from draftctl.drafters.context import LookupConfig
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel, check_same_vocabulary
 from draftctl.retrieval.features import tried_chain
@@ -172,9 +173,11 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_loaded(cls, target: LoadedModel, draft: LoadedModel | Drafter | None,
-                    config: DecodeConfig | None = None) -> SpeculativeDecoder:
+                    config: DecodeConfig | None = None,
+                    lookup: LookupConfig | None = None) -> SpeculativeDecoder:
         """Pair a loaded target with a loaded draft model (refused before any compute if its
-        vocabulary differs) or with any other drafter."""
+        vocabulary differs), mixed with context ``lookup`` if given, or with any other
+        drafter."""
         config = config or DecodeConfig()
         context = target.context_length
         drafter = draft
@@ -183,7 +186,7 @@ class SpeculativeDecoder:
             if draft.device != target.device:
                 raise DecodeInputError(f"draft is on {draft.device}, target on {target.device}")
             context = min(context, draft.context_length)
-            drafter = model_drafter(draft, len(target.tokenizer), config.sampling)
+            drafter = model_drafter(draft, len(target.tokenizer), config.sampling, lookup)
         if drafter is not None:
             drafter.token_classes = token_classes(target.tokenizer)
         return cls(target.model, drafter, vocab_size=len(target.tokenizer),

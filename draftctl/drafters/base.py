@@ -10,13 +10,23 @@ it holds; it verifies a chain in one pass and a tree under a tree attention mask
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from draftctl.controllers.base import Action, Controller
-from draftctl.decode.features import STATS, FeatureRecord, SequenceState, make_record
+from draftctl.decode.features import (
+    LOOKUP_STATS,
+    STATS,
+    FeatureRecord,
+    SequenceState,
+    draft_stats,
+    make_record,
+)
+from draftctl.decode.verify import SamplingConfig
+from draftctl.drafters.context import Context, LookupConfig, Match
 
 
 def ask_controller(controller: Controller, stat: torch.Tensor, depth: int,
@@ -65,6 +75,127 @@ class Draft:
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
+
+
+@dataclass
+class Picked:
+    """Draft tokens chosen from a model's logits, one row each.
+
+    tokens: (n,) vocabulary ids. raw: (n, V) the temperature-1 draft distribution (features,
+    beta). q: (n, V) the processed distribution the tokens were drawn from, None when greedy.
+    stats: (n, STATS) their ``draft_stats`` rows.
+    """
+
+    tokens: torch.Tensor
+    raw: torch.Tensor
+    q: torch.Tensor | None
+    stats: torch.Tensor
+
+
+class TokenPicker:
+    """How a model drafter turns logits into draft tokens: the argmax, or a sample of the
+    processed distribution, over the vocabulary or a head of ``head_ids`` columns (q is 0 off
+    the head); with ``lookup``, the distribution is first mixed with the looked-up token
+    (``drafters.lookup``)."""
+
+    def __init__(self, vocab_size: int, sampling: SamplingConfig,
+                 head_ids: torch.Tensor | None = None, lookup: LookupConfig | None = None):
+        self.vocab_size = vocab_size
+        self.sampling = sampling
+        self.head_ids = head_ids
+        self.lookup = lookup
+
+    def full(self, probs: torch.Tensor) -> torch.Tensor:
+        """(n, W) head probabilities -> (n, V), 0 off the head (as they are)."""
+        if self.head_ids is None:
+            return probs
+        full = probs.new_zeros((probs.shape[0], self.vocab_size))
+        full[:, self.head_ids] = probs
+        return full
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None,
+             classes: torch.Tensor | None, matches: Sequence[Match | None] = (),
+             greedy: bool | None = None) -> Picked:
+        """Tokens for (n, W) logits; ``matches``: each row's lookup (None: nothing found), or
+        () without lookup; ``greedy`` overrides the sampling config (dense traces)."""
+        greedy = self.sampling.greedy if greedy is None else greedy
+        probs = torch.softmax(logits.float(), dim=-1)
+        q = None if greedy else self.sampling.probs(logits)
+        if not any(m is not None for m in matches):
+            index = logits.argmax(dim=-1) if greedy else \
+                torch.multinomial(q, 1, generator=generator)[:, 0]
+            tokens = index if self.head_ids is None else self.head_ids[index]
+            return Picked(tokens, self.full(probs), None if q is None else self.full(q),
+                          draft_stats(probs, index, tokens, classes))
+        # q' = (1 - w) q + w 1[looked-up token], row by row (w = 0 where nothing matched)
+        weight = torch.tensor([[self.lookup.weight_of(m.length) if m else 0.0]
+                               for m in matches], device=logits.device)
+        found = torch.tensor([[m.token if m else 0] for m in matches], device=logits.device)
+        raw = (1 - weight) * self.full(probs)
+        raw.scatter_add_(1, found, weight)
+        if q is not None:
+            q = (1 - weight) * self.full(q)
+            q.scatter_add_(1, found, weight)
+        tokens = raw.argmax(dim=-1) if greedy else \
+            torch.multinomial(q, 1, generator=generator)[:, 0]
+        chosen = tokens.tolist()
+        lookup = torch.tensor([m.stats(t) if m else [0.0] * LOOKUP_STATS
+                               for m, t in zip(matches, chosen)], device=logits.device)
+        return Picked(tokens, raw, q, draft_stats(raw, tokens, tokens, classes, lookup))
+
+
+def draft_chain(pick_next: Callable[[torch.Tensor | None, Match | None], Picked | None],
+                seq: torch.Tensor, budget: int, controller: Controller, state: SequenceState,
+                lookup: LookupConfig | None, vocab_size: int) -> Draft:
+    """A chain of at most ``budget`` draft tokens after ``seq``, asking the controller after
+    each. ``pick_next(previous, match)``: the next draft token after the draft's ``previous``
+    token ((1,) long; None for the round's first), given what a context ``lookup`` found
+    there (None without lookup or when nothing matched); None ends the chain."""
+    context = Context(seq.tolist(), lookup) if lookup is not None else None
+    tokens, raw, q_rows, stats, records = [], [], [], [], []
+    controller_s, calls, discarded = 0.0, 0, 0
+    token = None
+    for i in range(budget):
+        picked = pick_next(token, context.match() if context is not None else None)
+        if picked is None:
+            break
+        token = picked.tokens
+        action = Action.CONTINUE
+        if controller.reads_features:
+            action, record, seconds = ask_controller(
+                controller, picked.stats, i + 1, records[-1] if records else None, state, token)
+            controller_s += seconds
+            calls += 1
+            if action is Action.DISCARD:
+                discarded = 1
+                break
+            records.append(record)
+        tokens.append(token)
+        raw.append(picked.raw)
+        stats.append(picked.stats)
+        if picked.q is not None:
+            q_rows.append(picked.q)
+        if action is Action.STOP:
+            break
+        if context is not None:
+            context.push(int(token))
+    if tokens:
+        draft = Draft(torch.cat(tokens), torch.cat(raw), torch.cat(q_rows) if q_rows else None,
+                      torch.cat(stats), records if controller.reads_features else None)
+    else:
+        draft = Draft.empty(vocab_size, seq.device)
+    draft.discarded, draft.controller_s, draft.controller_calls = discarded, controller_s, calls
+    return draft
+
+
+def branch_matches(picker: TokenPicker, seq: list[int], n_prompt: int,
+                   drafted: list[list[int]]) -> list[Match | None]:
+    """Dense traces: the lookup of every branch, branch t continuing ``seq[:n_prompt + t]``
+    with its own ``drafted[t]`` tokens; () without lookup."""
+    if picker.lookup is None:
+        return ()
+    return [Context(seq[:n_prompt + t] + drafts, picker.lookup).match()
+            for t, drafts in enumerate(drafted)]
 
 
 class Drafter(Protocol):

@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from draftctl.controllers.base import Action, Controller
+from draftctl.controllers.base import Controller
 from draftctl.decode.cached_lm import BlockLayer
-from draftctl.decode.features import SequenceState, draft_stats
+from draftctl.decode.features import SequenceState
 from draftctl.decode.verify import SamplingConfig
 from draftctl.distill.feature import FeatureDraftLM
-from draftctl.drafters.base import Draft, ask_controller
+from draftctl.drafters.base import Draft, Picked, TokenPicker, branch_matches, draft_chain
+from draftctl.drafters.context import LookupConfig, Match
 from draftctl.errors import DecodeInputError
 
 
@@ -30,11 +31,11 @@ class FeatureDrafter:
     tree = False
 
     def __init__(self, model: FeatureDraftLM, vocab_size: int, sampling: SamplingConfig,
-                 token_classes: torch.Tensor | None = None):
+                 token_classes: torch.Tensor | None = None, lookup: LookupConfig | None = None):
         self.model = model
         self.vocab_size = vocab_size
-        self.sampling = sampling
         self.token_classes = token_classes
+        self.picker = TokenPicker(vocab_size, sampling, model.head_ids, lookup)
         self.hidden_layers = model.feature_layers
         self.device = model.head.weight.device
         self.forwards = 0
@@ -74,53 +75,22 @@ class FeatureDrafter:
                 state: SequenceState, generator: torch.Generator) -> Draft:
         if budget <= 0 or self.pending is None or len(self.pending) == 0:
             return Draft.empty(self.vocab_size, seq.device)
-        catch_up = seq[self.entries + 1:self.entries + 1 + len(self.pending)]
-        out, logits = self._step(catch_up, self.pending, own=False)
-        self.pending = None
-        feature, logits = out[-1:], logits[-1:]
-        head_ids = self.model.head_ids
-        tokens, raw, q_rows, stats, records = [], [], [], [], []
-        controller_s, calls, discarded = 0.0, 0, 0
-        for i in range(budget):
-            if i:
-                out, logits = self._step(tokens[-1], feature, own=True)
-                feature = out
-            probs = torch.softmax(logits.float(), dim=-1)  # (1, K): q is 0 off the head
-            if self.sampling.greedy:
-                index = logits.argmax(dim=-1)
-            else:
-                q = self.sampling.probs(logits)
-                index = torch.multinomial(q, 1, generator=generator)[0]
-            token = head_ids[index]
-            stat = draft_stats(probs, index, token, self.token_classes)
-            action = Action.CONTINUE
-            if controller.reads_features:
-                action, record, seconds = ask_controller(
-                    controller, stat, i + 1, records[-1] if records else None, state, token)
-                controller_s += seconds
-                calls += 1
-                if action is Action.DISCARD:
-                    discarded = 1
-                    break
-                records.append(record)
-            tokens.append(token)
-            raw.append(self._full(probs))
-            stats.append(stat)
-            if not self.sampling.greedy:
-                q_rows.append(self._full(q))
-            if action is Action.STOP:
-                break
-        if not tokens:
-            return Draft.empty(self.vocab_size, seq.device)
-        return Draft(torch.cat(tokens), torch.cat(raw), torch.cat(q_rows) if q_rows else None,
-                     torch.cat(stats), records if controller.reads_features else None,
-                     discarded=discarded, controller_s=controller_s, controller_calls=calls)
+        feature = None  # the draft's own output at the last drafted position
 
-    def _full(self, probs: torch.Tensor) -> torch.Tensor:
-        """(1, K) head probabilities -> (1, V) over the vocabulary, 0 off the head."""
-        full = probs.new_zeros((1, self.vocab_size))
-        full[:, self.model.head_ids] = probs
-        return full
+        def pick_next(previous: torch.Tensor | None, match: Match | None) -> Picked:
+            nonlocal feature
+            if previous is None:  # catch up from the target's states
+                catch_up = seq[self.entries + 1:self.entries + 1 + len(self.pending)]
+                out, logits = self._step(catch_up, self.pending, own=False)
+                self.pending = None
+            else:
+                out, logits = self._step(previous, feature, own=True)
+            feature = out[-1:]
+            # (1, K) logits: q is 0 off the head
+            return self.picker.pick(logits[-1:], generator, self.token_classes, [match])
+
+        return draft_chain(pick_next, seq, budget, controller, state, self.picker.lookup,
+                           self.vocab_size)
 
     @torch.inference_mode()
     def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,
@@ -144,13 +114,16 @@ class FeatureDrafter:
         feature, logits = out[first], logits[first]
         prefix_ok = torch.arange(base, device=device)[None, :] <= first[:, None]
         own = torch.eye(n_out, dtype=torch.bool, device=device)
+        host = seq.tolist()
         tokens, stats = [], []
         for step in range(k):
-            index = logits.argmax(dim=-1)
-            token = self.model.head_ids[index]
+            drafted = torch.stack(tokens, dim=1).tolist() if tokens else [[]] * n_out
+            picked = self.picker.pick(logits, None, self.token_classes,
+                                      branch_matches(self.picker, host, n_prompt, drafted),
+                                      greedy=True)
+            token = picked.tokens
             tokens.append(token)
-            stats.append(draft_stats(torch.softmax(logits.float(), -1), index, token,
-                                     self.token_classes))
+            stats.append(picked.stats)
             if step + 1 == k:
                 break
             allowed = torch.cat([prefix_ok, *([own] * (step + 1))], dim=1)

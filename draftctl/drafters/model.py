@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from draftctl.controllers.base import Action, Controller
+from draftctl.controllers.base import Controller
 from draftctl.decode.cached_lm import CachedLM
-from draftctl.decode.features import SequenceState, draft_stats
+from draftctl.decode.features import SequenceState
 from draftctl.decode.verify import SamplingConfig
-from draftctl.drafters.base import Draft, ask_controller
+from draftctl.drafters.base import Draft, Picked, TokenPicker, branch_matches, draft_chain
+from draftctl.drafters.context import LookupConfig, Match
 
 
 class ModelDrafter:
@@ -17,6 +18,8 @@ class ModelDrafter:
     The draft cache lags the sequence by the tokens it has not seen yet (the last token of the
     previous round, or two after a full accept: the last draft token and the bonus token);
     ``propose`` feeds them first ("catch-up"), so the first draft step may process 1-2 tokens.
+    A draft whose logits span its head only (``DraftLM(head_only=True)``) gives ``head_ids``:
+    column i is token head_ids[i]. ``lookup`` mixes in context lookup (``drafters.lookup``).
     """
 
     tree = False
@@ -24,24 +27,10 @@ class ModelDrafter:
 
     def __init__(self, lm: CachedLM, sampling: SamplingConfig,
                  token_classes: torch.Tensor | None = None,
-                 head_ids: torch.Tensor | None = None):
+                 head_ids: torch.Tensor | None = None, lookup: LookupConfig | None = None):
         self.lm = lm
-        self.sampling = sampling
         self.token_classes = token_classes
-        # a draft whose logits span its head only (``DraftLM(head_only=True)``): column i is
-        # token head_ids[i], q is 0 off the head
-        self.head_ids = head_ids
-
-    def _token(self, index: torch.Tensor) -> torch.Tensor:
-        return self.head_ids[index] if self.head_ids is not None else index
-
-    def _full(self, probs: torch.Tensor) -> torch.Tensor:
-        """(n, K) head probabilities -> (n, V), 0 off the head (as they are)."""
-        if self.head_ids is None:
-            return probs
-        full = probs.new_zeros((probs.shape[0], self.lm.vocab_size))
-        full[:, self.head_ids] = probs
-        return full
+        self.picker = TokenPicker(lm.vocab_size, sampling, head_ids, lookup)
 
     @property
     def forwards(self) -> int:
@@ -59,45 +48,14 @@ class ModelDrafter:
         """Draft up to ``budget`` tokens after ``seq`` (1-D long on the device)."""
         if budget <= 0:
             return Draft.empty(self.lm.vocab_size, seq.device)
-        forwards_before = self.lm.forwards
-        tokens, raw, q_rows, stats, records = [], [], [], [], []
-        controller_s, calls, discarded = 0.0, 0, 0
-        inputs = seq[len(self.lm):]
-        for i in range(budget):
+
+        def pick_next(previous: torch.Tensor | None, match: Match | None) -> Picked:
+            inputs = seq[len(self.lm):] if previous is None else previous
             logits = self.lm.forward(inputs, last_only=True)  # (1, V), or (1, K): the head
-            probs = torch.softmax(logits.float(), dim=-1)
-            if self.sampling.greedy:
-                index = logits.argmax(dim=-1)
-            else:
-                q = self.sampling.probs(logits)
-                index = torch.multinomial(q, 1, generator=generator)[0]
-            token = self._token(index)
-            stat = draft_stats(probs, index, token, self.token_classes)
-            if controller.reads_features:
-                action, record, seconds = ask_controller(
-                    controller, stat, i + 1, records[-1] if records else None, state, token)
-                controller_s += seconds
-                calls += 1
-                if action is Action.DISCARD:
-                    discarded = 1
-                    break
-                records.append(record)
-            tokens.append(token)
-            raw.append(self._full(probs))
-            stats.append(stat)
-            if not self.sampling.greedy:
-                q_rows.append(self._full(q))
-            if controller.reads_features and action is Action.STOP:
-                break
-            inputs = token
-        if not tokens:
-            draft = Draft.empty(self.lm.vocab_size, seq.device)
-        else:
-            draft = Draft(torch.cat(tokens), torch.cat(raw), torch.cat(q_rows) if q_rows else None,
-                          torch.cat(stats), records if controller.reads_features else None)
-        draft.forwards = self.lm.forwards - forwards_before
-        draft.discarded, draft.controller_s, draft.controller_calls = discarded, controller_s, calls
-        return draft
+            return self.picker.pick(logits, generator, self.token_classes, [match])
+
+        return draft_chain(pick_next, seq, budget, controller, state, self.picker.lookup,
+                           self.lm.vocab_size)
 
     @torch.inference_mode()
     def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,
@@ -116,12 +74,15 @@ class ModelDrafter:
         context_len = n_prompt + torch.arange(n_out, device=device)
         prefix_ok = torch.arange(base, device=device)[None, :] < context_len[:, None]
         own = torch.eye(n_out, dtype=torch.bool, device=device)
+        host = seq.tolist()
         tokens, stats = [], []
         for step in range(k):
-            index = logits.argmax(dim=-1)
-            tokens.append(self._token(index))
-            stats.append(draft_stats(torch.softmax(logits.float(), -1), index, tokens[-1],
-                                     self.token_classes))
+            drafted = torch.stack(tokens, dim=1).tolist() if tokens else [[]] * n_out
+            picked = self.picker.pick(logits, None, self.token_classes,
+                                      branch_matches(self.picker, host, n_prompt, drafted),
+                                      greedy=True)
+            tokens.append(picked.tokens)
+            stats.append(picked.stats)
             if step + 1 == k:
                 break
             allowed = torch.cat([prefix_ok, *([own] * (step + 1))], dim=1)

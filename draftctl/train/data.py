@@ -42,9 +42,9 @@ class Examples:
 
 def default_features(info: dict) -> tuple[str, ...]:
     """All features the traces carry: no history placeholders (dense traces), no retrieval
-    features for model drafts (they are 0 there)."""
+    features for a draft model without lookup (they are 0 there)."""
     left_out = (HISTORY_FEATURES if info["mode"] == "dense" else ()) + (
-        () if info.get("drafter") == "retrieval" else RETRIEVAL_FEATURES)
+        RETRIEVAL_FEATURES if info.get("drafter", "model") == "model" else ())
     return tuple(f for f in FEATURE_NAMES if f not in left_out)
 
 
