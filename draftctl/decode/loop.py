@@ -30,7 +30,7 @@ from draftctl.decode.features import (
 )
 from draftctl.decode.tree import verify_tree
 from draftctl.decode.verify import SamplingConfig, Verdict, overlap, verify_greedy, verify_sampling
-from draftctl.drafters import Draft, Drafter, model_drafter
+from draftctl.drafters.base import Draft, Drafter
 from draftctl.drafters.context import LookupConfig
 from draftctl.errors import DecodeInputError
 from draftctl.models import LoadedModel, check_same_vocabulary
@@ -186,6 +186,8 @@ class SpeculativeDecoder:
             if draft.device != target.device:
                 raise DecodeInputError(f"draft is on {draft.device}, target on {target.device}")
             context = min(context, draft.context_length)
+            from draftctl.drafters import model_drafter
+
             drafter = model_drafter(draft, len(target.tokenizer), config.sampling, lookup)
         if drafter is not None:
             drafter.token_classes = token_classes(target.tokenizer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import draftctl.decode  # noqa: F401  (first: the decoder imports the drafters' base)
 from draftctl.drafters.base import Draft, Drafter
 from draftctl.drafters.context import LookupConfig
 from draftctl.errors import DraftctlError

@@ -16,6 +16,13 @@ model. draftctl offers both, as drafter specs:
   verification rule and its losslessness are those of any draft.
 
 Both take options after commas: ``model+lookup,max_ngram=4,weight=0.6``.
+
+The default weights were chosen on dev prompts (Spec-Bench's and draftctl's dev splits, 4 per
+task group, the built-in target and its feature draft, 2026-12-02). There a one-token match
+named the target's next greedy token 0.26 of the time and a longer one 0.74 (found at 25% and
+54% of the output positions); the first draft token agreed with the target 0.34 of the time
+for the draft alone, 0.47 for lookup alone, and 0.57 mixed with weights 0.2 (one-token
+matches) and 0.5 (longer): 0.55 with 0 and 0.5, 0.54 with 0.5 and 0.5.
 """
 
 from __future__ import annotations
