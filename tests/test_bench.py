@@ -280,3 +280,33 @@ def test_bench_at_t1_runs_every_controller_from_one_seed(pair, tmp_path):  # noq
     _, again = answers(tmp_path / "b", 3)
     _, other = answers(tmp_path / "c", 4)
     assert again == first and other != first
+
+
+def test_lookup_drafters_through_collect_train_and_bench(pair, tmp_path):  # noqa: F811
+    """Dense traces of the draft mixed with lookup keep the lookup features, a controller
+    trained on them reads those, and bench runs it beside lookup alone, losslessly."""
+    target, draft, prompts = pair
+    traces = tmp_path / "traces"
+    run_collect(CollectConfig(target=target, draft=draft, drafter="model+lookup",
+                              prompts=prompts, split="all", mode="dense", k_probe=4,
+                              max_new_tokens=20, device="cpu", dtype="float32",
+                              pass_shape="fixed:4", out=str(traces)))
+    info = json.loads((traces / "run.json").read_text())
+    assert info["drafter"] == "model+lookup" and info["lookup"]["weight"] == 0.5
+    rows = read_traces(traces).to_pylist()
+    assert any(r["suffix_len"] > 0 for r in rows) and any(r["suffix_len"] == 0 for r in rows)
+    run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "m"), grid=6))
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert {"suffix_len", "occurrences", "node_share"} <= set(manifest["features"])
+    export_onnx(tmp_path / "m", tmp_path / "m.onnx")
+    with pytest.raises(DraftctlError, match="dense mode follows a draft model"):
+        CollectConfig(target=target, drafter="lookup", mode="dense")
+    out = tmp_path / "bench"
+    assert main(bench_args(pair, out, "--controllers",
+                           f"static:2,onnx:{tmp_path}/m.onnx@model+lookup,static:4@lookup",
+                           "--no-plots")) == 0
+    bench = json.loads((out / "report.json").read_text())
+    rows = {c["spec"]: c for c in bench["controllers"]}
+    assert bench["mismatches"] == 0 and rows["static:4@lookup"]["draft_forwards"] == 0
+    assert rows["static:4@lookup"]["drafted"] > 0 and rows["static:4@lookup"]["bit_exact"]
+    assert rows[f"onnx:{tmp_path}/m.onnx@model+lookup"]["drafter"] == f"{draft}+lookup"

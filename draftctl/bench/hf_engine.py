@@ -24,6 +24,7 @@ from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.decode.loop import GenerationResult
 from draftctl.errors import DraftctlError
+from draftctl.drafters.lookup import is_lookup
 from draftctl.models import default_draft, encode_prompt, load_model
 from draftctl.profile import settle
 from draftctl.prompts import load_prompts
@@ -36,9 +37,9 @@ def _check_spec(spec: str) -> None:
     """A spec ``generate()`` can run: one of transformers' schedules or a draftctl controller
     that needs no reference output, optionally with a draft model of its own (``@DRAFT``)."""
     controller, drafter = split_drafter(spec)
-    if drafter is not None and drafter.startswith("rest:"):
+    if drafter is not None and (drafter.startswith("rest:") or is_lookup(drafter)):
         raise DraftctlError(f"{spec}: transformers' generate() drafts with an assistant model "
-                            "only, not with rest:DIR")
+                            f"only, not with {drafter}")
     if controller.startswith(hf.OWN):
         hf.own_schedule(controller)
     elif make_controller(controller).reads_tokens:
