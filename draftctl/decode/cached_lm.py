@@ -20,7 +20,9 @@ passes:
   entries are dropped), longer ones go in chunks of M. Row r of a matmul then computes what it
   would compute at any other row, in any other pass of M rows. With the exact shape
   (``exact``, CPU) passes run at their own size through kernels whose rows do not depend on
-  the row count (``draftctl.decode.kernels``), which spares plain decoding the padding.
+  the row count (``draftctl.decode.kernels``), which spares plain decoding the padding. The
+  prompt's pass (``prefill``) is the same in plain and speculative decoding, so it runs
+  through the model's own, faster kernels.
 
 With both, a token's logits depend only on the tokens before it, which makes greedy SD equal
 plain decoding bit for bit, in any dtype (``tests/test_cached_lm.py``).
@@ -244,6 +246,7 @@ class CachedLM:
                  model_kwargs: dict | None = None):
         self.shape = shape or PassShape()
         self.model_kwargs = model_kwargs or {}  # passed to every model call
+        self.stock = model  # the prompt's pass (``prefill``)
         self.model = row_invariant_view(model) if self.shape.row_invariant else model
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
@@ -272,10 +275,11 @@ class CachedLM:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
-        """Feed a prompt in one pass of its own length; logits (keep, vocab) of its last
-        ``keep`` tokens (0: all). Plain and speculative decoding prefill alike, so its shape
-        does not need fixing."""
-        return self._pass(tokens, len(tokens), None, keep).logits
+        """Feed a prompt in one pass of its own length, through the model's own kernels (the
+        exact shape's row-invariant ones are for the passes after it); logits (keep, vocab) of
+        its last ``keep`` tokens (0: all). Plain and speculative decoding prefill alike, so
+        neither its shape nor its kernels need fixing."""
+        return self._pass(tokens, len(tokens), None, keep, model=self.stock).logits
 
     @torch.inference_mode()
     def prefill_hidden(self, tokens: torch.Tensor, layers: Sequence[int],
@@ -283,7 +287,7 @@ class CachedLM:
         """Feed a prompt as ``prefill`` does; return the logits (keep, vocab) of its last
         ``keep`` tokens (0: all) and the hidden states (n, len(layers), H) of every token at
         ``layers`` (``output_hidden_states`` indices: 0 is the embedding)."""
-        out = self._pass(tokens, len(tokens), None, keep, layers)
+        out = self._pass(tokens, len(tokens), None, keep, layers, model=self.stock)
         return out.logits, out.hidden
 
     @torch.inference_mode()
@@ -338,11 +342,11 @@ class CachedLM:
 
     def _pass(self, tokens: torch.Tensor, rows: int,
               masked: tuple[torch.Tensor, torch.Tensor] | None, keep: int,
-              layers: Sequence[int] = ()) -> _Pass:
-        """One model call over ``tokens`` padded to ``rows`` rows; the cache keeps the real
-        tokens only. ``masked``: (positions, attention pattern) of the real tokens, else the
-        usual causal pattern. Returns the real rows' logits (or their last ``keep``) and,
-        with ``layers``, their hidden states there."""
+              layers: Sequence[int] = (), model: torch.nn.Module | None = None) -> _Pass:
+        """One call of ``model`` (default: the shape's) over ``tokens`` padded to ``rows``
+        rows; the cache keeps the real tokens only. ``masked``: (positions, attention pattern)
+        of the real tokens, else the usual causal pattern. Returns the real rows' logits (or
+        their last ``keep``) and, with ``layers``, their hidden states there."""
         n, start = tokens.shape[0], self._length
         device = tokens.device
         kwargs = {}
@@ -375,7 +379,7 @@ class CachedLM:
             tokens = torch.cat([tokens, tokens[-1:].expand(rows - n)])
         # a padded pass keeps every row's logits, so that the output layer's matmul has a
         # fixed shape too; an unpadded one keeps only what it returns
-        out = self.model(input_ids=tokens[None], cache=self.cache, use_cache=True,
+        out = (model or self.model)(input_ids=tokens[None], cache=self.cache, use_cache=True,
                          logits_to_keep=keep if rows == n else 0,
                          output_hidden_states=bool(layers), **kwargs, **self.model_kwargs)
         self.forwards += 1
