@@ -57,6 +57,10 @@ def test_every_lookup_drafter_is_lossless_in_greedy_decoding():
         "lookup": LookupDrafter(97, lookup),
         "model+lookup": ModelDrafter(CachedLM(draft, 97), greedy, lookup=lookup),
         "feature+lookup": FeatureDrafter(feature_draft(target), 97, greedy, lookup=lookup),
+        "model+lookup,alone=2": ModelDrafter(CachedLM(draft, 97), greedy,
+                                             lookup=LookupConfig(alone=2)),
+        "feature+lookup,alone=2": FeatureDrafter(feature_draft(target), 97, greedy,
+                                                 lookup=LookupConfig(alone=2)),
     }
     for name, drafter in drafters.items():
         decoder = make_decoder(target, drafter, max_new_tokens=30)
@@ -89,6 +93,29 @@ def test_the_mixture_drafts_the_looked_up_token_and_records_the_match():
     assert plain.tokens.tolist() != [40]
     assert mixed.propose(seq, 1, make_controller("static:1"), state,
                          torch.Generator()).tokens.tolist() == plain.tokens.tolist()
+
+
+def test_a_round_that_starts_on_a_long_match_is_drafted_by_lookup_alone():
+    """With alone=2 a round whose first token matches two or more tokens calls no draft model
+    and drafts while the context matches; any other round is the mixture's."""
+    target, draft = tiny_pair(vocab_size=97)
+    plain = make_decoder(target, None, max_new_tokens=40)
+    drafter = ModelDrafter(CachedLM(draft, 97), plain.config.sampling,
+                           lookup=LookupConfig(alone=2))
+    decoder = make_decoder(target, drafter, max_new_tokens=40)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    kinds = set()
+    for record in decoder.rounds(prompt, make_controller("static:4")):
+        first = record.features[0] if record.features else None
+        if first is not None and first.suffix_len >= 2:
+            assert record.draft_forwards == 0 and all(f.suffix_len for f in record.features)
+            kinds.add("alone")
+        elif first is not None:
+            assert record.draft_forwards > 0
+            kinds.add("model")
+    assert kinds == {"alone", "model"}
+    with pytest.raises(DraftctlError, match="dense traces follow the draft model"):
+        drafter.continuations(torch.tensor(prompt), 4, 2)
 
 
 def test_lookup_alone_drafts_while_the_context_continues():
@@ -135,9 +162,11 @@ def test_drafter_specs_parse_or_are_refused_by_name():
     assert spec.uses_model and spec.lookup == LookupConfig(max_ngram=4, weight=0.7)
     assert not parse_drafter("lookup").uses_model and parse_drafter(None).kind == "model"
     assert parse_drafter("rest:somewhere").tree
+    assert spec.dense and not parse_drafter("model+lookup,alone=2").dense
     for bad, words in [("lookahead", "unknown drafter"), ("lookup,size=3", "size=3"),
                        ("lookup,min_ngram=x", "min_ngram=x"),
                        ("lookup,min_ngram=3,max_ngram=2", "min_ngram <= max_ngram"),
-                       ("model+lookup,weight=2", "weight must be in")]:
+                       ("model+lookup,weight=2", "weight must be in"),
+                       ("model+lookup,alone=-1", "alone must be >= 0")]:
         with pytest.raises(DraftctlError, match=words):
             parse_drafter(bad)

@@ -23,8 +23,8 @@ from draftctl.bench.run import BenchConfig, Run, build_report, write_report
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.decode.loop import GenerationResult
-from draftctl.errors import DraftctlError
 from draftctl.drafters.lookup import is_lookup
+from draftctl.errors import DraftctlError
 from draftctl.models import default_draft, encode_prompt, load_model
 from draftctl.profile import settle
 from draftctl.prompts import load_prompts

@@ -72,9 +72,9 @@ class CollectConfig:
         if self.mode == "dense" and self.temperature != 0:
             raise DraftctlError("dense mode replays greedy decoding: set temperature 0")
         drafter = parse_drafter(self.drafter)
-        if not drafter.uses_model and self.mode == "dense":
+        if self.mode == "dense" and not drafter.dense:
             raise DraftctlError("dense mode follows a draft model's greedy chain; with "
-                                f"--drafter {drafter.kind} use --mode probe or policy")
+                                f"--drafter {drafter.text} use --mode probe or policy")
 
     def decode_config(self, shape: PassShape) -> DecodeConfig:
         return DecodeConfig(max_new_tokens=self.max_new_tokens, max_draft=self.k_probe,

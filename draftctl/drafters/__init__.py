@@ -60,6 +60,12 @@ class DrafterSpec:
         return self.kind in (MODEL, "model+lookup")
 
     @property
+    def dense(self) -> bool:
+        """Whether it drafts after every prefix for dense traces: a draft model's chain,
+        mixed with lookup or not, unless lookup drafts rounds alone."""
+        return self.uses_model and not (self.lookup and self.lookup.alone)
+
+    @property
     def tree(self) -> bool:
         return self.kind == "rest"
 

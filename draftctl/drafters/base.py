@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from draftctl.controllers.base import Action, Controller
@@ -27,6 +28,7 @@ from draftctl.decode.features import (
 )
 from draftctl.decode.verify import SamplingConfig
 from draftctl.drafters.context import Context, LookupConfig, Match
+from draftctl.errors import DraftctlError
 
 
 def ask_controller(controller: Controller, stat: torch.Tensor, depth: int,
@@ -144,19 +146,43 @@ class TokenPicker:
         return Picked(tokens, raw, q, draft_stats(raw, tokens, tokens, classes, lookup))
 
 
+def looked_up(match: Match, vocab_size: int, device: torch.device,
+              classes: torch.Tensor | None) -> Picked:
+    """The looked-up token as a draft token of its own: q = 1 there; its record describes the
+    shares of the continuations."""
+    values, counts = np.unique(match.following, return_counts=True)
+    shares = torch.zeros((1, vocab_size), device=device)
+    shares[0, torch.as_tensor(values, device=device)] = torch.as_tensor(
+        counts / counts.sum(), dtype=torch.float32, device=device)
+    token = torch.tensor([match.token], device=device)
+    q = torch.zeros_like(shares)
+    q[0, match.token] = 1.0
+    lookup = torch.tensor([match.stats(match.token)], device=device)
+    return Picked(token, shares, q, draft_stats(shares, token, token, classes, lookup))
+
+
 def draft_chain(pick_next: Callable[[torch.Tensor | None, Match | None], Picked | None],
                 seq: torch.Tensor, budget: int, controller: Controller, state: SequenceState,
-                lookup: LookupConfig | None, vocab_size: int) -> Draft:
+                lookup: LookupConfig | None, vocab_size: int,
+                classes: torch.Tensor | None = None) -> Draft:
     """A chain of at most ``budget`` draft tokens after ``seq``, asking the controller after
     each. ``pick_next(previous, match)``: the next draft token after the draft's ``previous``
     token ((1,) long; None for the round's first), given what a context ``lookup`` found
-    there (None without lookup or when nothing matched); None ends the chain."""
+    there (None without lookup or when nothing matched); None ends the chain. A round whose
+    first match is at least ``lookup.alone`` tokens long is drafted by lookup alone
+    (``looked_up``, tokens of ``classes``), without calling ``pick_next``."""
     context = Context(seq.tolist(), lookup) if lookup is not None else None
     tokens, raw, q_rows, stats, records = [], [], [], [], []
     controller_s, calls, discarded = 0.0, 0, 0
-    token = None
+    token, alone = None, False
     for i in range(budget):
-        picked = pick_next(token, context.match() if context is not None else None)
+        match = context.match() if context is not None else None
+        if i == 0:
+            alone = bool(lookup and lookup.alone and match and match.length >= lookup.alone)
+        if alone:
+            picked = looked_up(match, vocab_size, seq.device, classes) if match else None
+        else:
+            picked = pick_next(token, match)
         if picked is None:
             break
         token = picked.tokens
@@ -194,6 +220,10 @@ def branch_matches(picker: TokenPicker, seq: list[int], n_prompt: int,
     with its own ``drafted[t]`` tokens; () without lookup."""
     if picker.lookup is None:
         return ()
+    if picker.lookup.alone:
+        raise DraftctlError("dense traces follow the draft model's chain; lookup alone "
+                            "(alone=N) ends where the context stops matching: collect with "
+                            "--mode probe or policy")
     return [Context(seq[:n_prompt + t] + drafts, picker.lookup).match()
             for t, drafts in enumerate(drafted)]
 

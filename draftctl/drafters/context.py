@@ -24,11 +24,16 @@ class LookupConfig:
     # and for longer ones (chosen on dev prompts, see ``drafters.lookup``)
     weight_unigram: float = 0.2
     weight: float = 0.5
+    # > 0: a round whose first token matches at least this many tokens is drafted by lookup
+    # alone, without a draft model step (free), while anything matches
+    alone: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise DraftctlError(f"lookup needs 1 <= min_ngram <= max_ngram, got "
                                 f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}")
+        if self.alone < 0:
+            raise DraftctlError(f"lookup alone must be >= 0 (0: never), got {self.alone}")
         for name in ("weight_unigram", "weight"):
             if not 0 <= getattr(self, name) <= 1:
                 raise DraftctlError(f"lookup {name} must be in [0, 1], got "

@@ -90,7 +90,7 @@ class FeatureDrafter:
             return self.picker.pick(logits[-1:], generator, self.token_classes, [match])
 
         return draft_chain(pick_next, seq, budget, controller, state, self.picker.lookup,
-                           self.vocab_size)
+                           self.vocab_size, self.token_classes)
 
     @torch.inference_mode()
     def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,

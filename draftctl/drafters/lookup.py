@@ -29,12 +29,11 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-import numpy as np
 import torch
 
 from draftctl.controllers.base import Controller
-from draftctl.decode.features import SequenceState, draft_stats
-from draftctl.drafters.base import Draft, Picked, draft_chain
+from draftctl.decode.features import SequenceState
+from draftctl.drafters.base import Draft, Picked, draft_chain, looked_up
 from draftctl.drafters.context import LookupConfig, Match
 from draftctl.errors import DraftctlError
 
@@ -64,24 +63,11 @@ class LookupDrafter:
     def propose(self, seq: torch.Tensor, budget: int, controller: Controller,
                 state: SequenceState, generator: torch.Generator) -> Draft:
         def pick_next(previous: torch.Tensor | None, match: Match | None) -> Picked | None:
-            return None if match is None else self._picked(match, seq.device)
+            return None if match is None else looked_up(match, self.vocab_size, seq.device,
+                                                        self.token_classes)
 
         return draft_chain(pick_next, seq, budget, controller, state, self.config,
                            self.vocab_size)
-
-    def _picked(self, match: Match, device: torch.device) -> Picked:
-        """The looked-up token, q = 1 there; the records' distribution is the shares of the
-        continuations."""
-        values, counts = np.unique(match.following, return_counts=True)
-        shares = torch.zeros((1, self.vocab_size), device=device)
-        shares[0, torch.as_tensor(values, device=device)] = torch.as_tensor(
-            counts / counts.sum(), dtype=torch.float32, device=device)
-        token = torch.tensor([match.token], device=device)
-        q = torch.zeros_like(shares)
-        q[0, match.token] = 1.0
-        lookup = torch.tensor([match.stats(match.token)], device=device)
-        return Picked(token, shares, q, draft_stats(shares, token, token, self.token_classes,
-                                                    lookup))
 
     def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,
                       hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

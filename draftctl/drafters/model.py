@@ -55,7 +55,7 @@ class ModelDrafter:
             return self.picker.pick(logits, generator, self.token_classes, [match])
 
         return draft_chain(pick_next, seq, budget, controller, state, self.picker.lookup,
-                           self.lm.vocab_size)
+                           self.lm.vocab_size, self.token_classes)
 
     @torch.inference_mode()
     def continuations(self, seq: torch.Tensor, n_prompt: int, k: int,
