@@ -289,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the same stages on 5 + 2 prompts and 24 new tokens (about 2 min)")
     demo.add_argument("--prompts", help="JSONL prompt file (default: draftctl's own set)")
     demo.add_argument("--draft", help="draft spec or folder (default: the shipped draft)")
-    demo.add_argument("--drafter", help="model+lookup: the draft model mixed with context "
-                                        "lookup (default model: the draft model alone)")
+    demo.add_argument("--drafter", help="model+lookup (default): the draft model mixed with "
+                                        "context lookup; model: the draft model alone")
     demo.add_argument("--collect-per-category", type=int,
                       help="train+dev prompts per category to collect traces on (default 12)")
     demo.add_argument("--bench-per-category", type=int,
@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--context", type=int, help="cache length the passes run at (256)")
     cal.add_argument("--repeats", type=int, help="interleaved timed repetitions (7)")
     cal.add_argument("--acceptance", type=float,
-                     help="per-token acceptance the pass shape and dtype are chosen for (0.6)")
+                     help="per-token acceptance the pass shape and dtype are chosen for (0.7)")
     cal.add_argument("--out", help="profile file (default: the profile cache, where decode, "
                                    "collect and bench find it)")
     cal.add_argument("--json", action="store_true", help="print the profile as JSON")

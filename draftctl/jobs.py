@@ -87,7 +87,8 @@ class DemoJob:
     kinds: list[str] = field(default_factory=lambda: ["logreg", "mlp"])
     target: str = DEFAULT_TARGET
     draft: str | None = None  # default: the target's shipped draft
-    drafter: str | None = None  # model (default) or model+lookup (``draftctl.drafters``)
+    # model+lookup: the draft mixed with context lookup (``draftctl.drafters``); model: alone
+    drafter: str | None = "model+lookup"
     device: str = "cpu"
     seed: int = 0
     out: str = "runs/demo"

@@ -57,7 +57,10 @@ BUILTIN_DRAFTS: dict[str, Path] = {
     "smollm2-135m-feature-draft":
         Path(__file__).parent / "data" / "drafts" / "smollm2-135m-feature-draft",
 }
-DEFAULT_DRAFTS = {"smollm2-135m-instruct": "smollm2-135m-draft"}
+# The default draft learned from no benchmark text; transformers' own schedules in generate()
+# drive an assistant model, for which the small causal-LM draft is the default.
+DEFAULT_DRAFTS = {"smollm2-135m-instruct": "smollm2-135m-feature-draft"}
+DEFAULT_ASSISTANTS = {"smollm2-135m-instruct": "smollm2-135m-draft"}
 
 
 @dataclass
@@ -123,9 +126,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return dtype
 
 
-def default_draft(target_spec: str) -> str | None:
-    """The shipped draft for a built-in target, if this install has its weights."""
-    name = DEFAULT_DRAFTS.get(target_spec)
+def default_draft(target_spec: str, assistant: bool = False) -> str | None:
+    """The shipped draft for a built-in target, if this install has its weights; with
+    ``assistant``, the shipped causal-LM draft that transformers' generate() can drive."""
+    name = (DEFAULT_ASSISTANTS if assistant else DEFAULT_DRAFTS).get(target_spec)
     if name is None or not (BUILTIN_DRAFTS[name] / "model.safetensors").is_file():
         return None
     return name

@@ -71,7 +71,7 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     if cfg.drafter is not None:
         raise DraftctlError("--engine hf drafts with the draft model; --drafter applies to "
                             "draftctl's own engine")
-    draft_spec = cfg.draft or default_draft(cfg.target)
+    draft_spec = cfg.draft or default_draft(cfg.target, assistant=True)
     if draft_spec is None:
         raise DraftctlError(f"no draft model for {cfg.target!r}: pass --draft SPEC")
     out = Path(cfg.out)
