@@ -84,8 +84,9 @@ class Picked:
     """Draft tokens chosen from a model's logits, one row each.
 
     tokens: (n,) vocabulary ids. raw: (n, V) the temperature-1 draft distribution (features,
-    beta). q: (n, V) the processed distribution the tokens were drawn from, None when greedy.
-    stats: (n, STATS) their ``draft_stats`` rows.
+    beta). q: (n, V) the processed distribution the tokens were drawn from: None when a model
+    drafts greedily, one-hot for a looked-up token (``looked_up``). stats: (n, STATS) their
+    ``draft_stats`` rows.
     """
 
     tokens: torch.Tensor
