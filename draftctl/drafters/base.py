@@ -229,6 +229,19 @@ def branch_matches(picker: TokenPicker, seq: list[int], n_prompt: int,
             for t, drafts in enumerate(drafted)]
 
 
+class Stateless:
+    """For drafters without a model: nothing to reset, no target states to read."""
+
+    hidden_layers: tuple[int, ...] = ()
+    forwards = 0
+
+    def reset(self) -> None:
+        pass
+
+    def accepted(self, length: int, hidden: torch.Tensor | None = None) -> None:
+        pass
+
+
 class Drafter(Protocol):
     """A source of draft tokens (the draft model, a feature-level draft, REST retrieval)."""
 

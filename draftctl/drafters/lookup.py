@@ -33,7 +33,7 @@ import torch
 
 from draftctl.controllers.base import Controller
 from draftctl.decode.features import SequenceState
-from draftctl.drafters.base import Draft, Picked, draft_chain, looked_up
+from draftctl.drafters.base import Draft, Picked, Stateless, draft_chain, looked_up
 from draftctl.drafters.context import LookupConfig, Match
 from draftctl.errors import DraftctlError
 
@@ -41,24 +41,16 @@ LOOKUP = "lookup"  # the drafter spec of lookup alone
 MODEL_LOOKUP = "model+lookup"  # the draft model mixed with lookup
 
 
-class LookupDrafter:
+class LookupDrafter(Stateless):
     """Proposes the chain of tokens that context lookup finds, with no draft model."""
 
     tree = False
-    hidden_layers: tuple[int, ...] = ()
-    forwards = 0
 
     def __init__(self, vocab_size: int, config: LookupConfig | None = None,
                  token_classes: torch.Tensor | None = None):
         self.vocab_size = vocab_size
         self.config = config or LookupConfig()
         self.token_classes = token_classes
-
-    def reset(self) -> None:
-        pass
-
-    def accepted(self, length: int, hidden: torch.Tensor | None = None) -> None:
-        pass
 
     def propose(self, seq: torch.Tensor, budget: int, controller: Controller,
                 state: SequenceState, generator: torch.Generator) -> Draft:

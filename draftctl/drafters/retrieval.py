@@ -13,27 +13,19 @@ import torch
 
 from draftctl.controllers.base import Controller
 from draftctl.decode.features import SequenceState
-from draftctl.drafters.base import Draft
+from draftctl.drafters.base import Draft, Stateless
 from draftctl.retrieval.features import prune, trie_records
 from draftctl.retrieval.retriever import Retriever
 
 
-class RetrievalDrafter:
+class RetrievalDrafter(Stateless):
     """Proposes the trie ``retriever`` finds for the context; greedy only."""
 
     tree = True
-    hidden_layers: tuple[int, ...] = ()
-    forwards = 0
 
     def __init__(self, retriever: Retriever, token_classes: torch.Tensor | None = None):
         self.retriever = retriever
         self.token_classes = token_classes
-
-    def reset(self) -> None:
-        pass
-
-    def accepted(self, length: int, hidden: torch.Tensor | None = None) -> None:
-        pass
 
     def propose(self, seq: torch.Tensor, budget: int, controller: Controller,
                 state: SequenceState, generator: torch.Generator) -> Draft:
