@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from draftctl.bench.report import mismatch_notice
 from draftctl.bench.run import BenchConfig, run_bench
 from draftctl.cli import main
 from draftctl.collect.run import CollectConfig, run_collect
@@ -74,6 +75,23 @@ def test_bench_exits_non_zero_when_an_output_differs(pair, tmp_path, monkeypatch
     assert main(bench_args(pair, out, "--controllers", "static:3", "--no-plots")) == 1
     report = json.loads((out / "report.json").read_text())
     assert report["controllers"][0]["mismatches"] > 0
+
+
+def test_only_draftctls_chain_decoder_fails_a_bench_on_differing_outputs():
+    """Differing greedy outputs fail draftctl's own chain decoder, which promises bit-exact
+    output; transformers' generate() (and tree passes) are counted and named, not failed."""
+    rows = [{"spec": "hf:constant:1", "schedule": "transformers", "mismatches": 3},
+            {"spec": "static:1", "schedule": "draftctl", "mismatches": 4}]
+    hf_report = {"engine": "transformers", "mismatches": 7, "tree_mismatches": 0,
+                 "target_dtype": "bfloat16", "controllers": rows}
+    notices, failed = mismatch_notice(hf_report)
+    assert not failed and len(notices) == 1
+    assert "7 outputs" in notices[0] and "3 of them from transformers' own" in notices[0]
+    assert "bfloat16" in notices[0]
+    own = {"mismatches": 2, "tree_mismatches": 5, "controllers": []}
+    notices, failed = mismatch_notice(own)
+    assert failed and "tree" in notices[0] and "lossless decoder" in notices[1]
+    assert mismatch_notice({"mismatches": 0, "tree_mismatches": 0}) == ([], False)
 
 
 def test_bench_refuses_bad_requests(pair, tmp_path):  # noqa: F811

@@ -70,6 +70,30 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def mismatch_notice(report: dict) -> tuple[list[str], bool]:
+    """What a bench's greedy outputs that differ from AR's say, and whether they fail it:
+    only draftctl's chain decoder promises bit-exact output. Tree passes and transformers'
+    own verification (whose passes change shape from round to round) are counted and named."""
+    notices = []
+    if report.get("tree_mismatches"):
+        notices.append(f"{report['tree_mismatches']} outputs of retrieval (tree) drafts differ "
+                       "from plain greedy decoding: tree passes are not bit-exact (see README)")
+    if not report["mismatches"]:
+        return notices, False
+    if report.get("engine") == "transformers":
+        own = sum(c["mismatches"] or 0 for c in report["controllers"]
+                  if c.get("schedule") == "transformers")
+        notices.append(f"{report['mismatches']} outputs differ from transformers' plain greedy "
+                       f"generate(), {own} of them from transformers' own schedules: its "
+                       "verification passes change shape from round to round and round "
+                       f"differently in {report.get('target_dtype', 'this dtype')} (not "
+                       "bit-exact; see README)")
+        return notices, False
+    notices.append(f"{report['mismatches']} outputs differ from plain greedy decoding: a "
+                   "lossless decoder must not do that")
+    return notices, True
+
+
 def write_markdown(report: dict, path: Path) -> None:
     cats = sorted(report["ar"]["per_category"])
     ar = report["ar"]
