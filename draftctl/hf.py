@@ -23,7 +23,7 @@ import json
 import os
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,6 +52,7 @@ from draftctl.decode.verify import SamplingConfig, overlap
 from draftctl.distill.feature import FeatureDraftLM
 from draftctl.distill.model import DraftLM
 from draftctl.drafters.base import ask_controller
+from draftctl.drafters.context import LookupConfig
 from draftctl.errors import DraftctlError
 
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"  # as pinned in pyproject.toml
@@ -126,15 +127,17 @@ class FeatureCandidateGenerator(CandidateGenerator):
     nothing, so that the target's prefill gives the prompt's states; after each round the
     states of the tokens the target accepted go to the drafter. Candidate logits are
     ``log q`` of the distribution the tokens were drawn from (transformers' speculative
-    sampling reads q from them)."""
+    sampling reads q from them). With ``lookup`` the draft's q is mixed with context lookup
+    (``model+lookup``, ``draftctl.drafters.lookup``), as in draftctl's own decoder."""
 
     requires_model_outputs = True
 
     def __init__(self, draft, controller: Controller, vocab_size: int, max_draft: int,
-                 max_length: int, sampling, token_classes: torch.Tensor | None):
+                 max_length: int, sampling, token_classes: torch.Tensor | None,
+                 lookup: LookupConfig | None = None):
         from draftctl.drafters.feature import FeatureDrafter
 
-        self.drafter = FeatureDrafter(draft, vocab_size, sampling, token_classes)
+        self.drafter = FeatureDrafter(draft, vocab_size, sampling, token_classes, lookup)
         self.model_kwargs_overrides = {"output_hidden_states": list(draft.feature_layers)}
         self.controller, self.vocab_size, self.max_draft = controller, vocab_size, max_draft
         self.max_length = max_length
@@ -315,10 +318,14 @@ class RoundRecorder:
                 if raw and k else []
         else:
             p = torch.softmax(target, -1)
-            q = torch.softmax(q_logits[0, :, :self.vocab_size].float().to(p.device), -1)
             rows = torch.arange(k, device=p.device)
-            accept = (p[rows, drafted] / q[rows, drafted]).clamp(max=1.0)
-            beta = overlap(p, q).tolist()
+            if q_logits is None:  # prompt lookup: q is a point mass, min(1, p/q) = p(token)
+                accept = p[rows, drafted]
+                beta = accept.tolist()
+            else:
+                q = torch.softmax(q_logits[0, :, :self.vocab_size].float().to(p.device), -1)
+                accept = (p[rows, drafted] / q[rows, drafted]).clamp(max=1.0)
+                beta = overlap(p, q).tolist()
         self.rounds.append(RoundRecord(
             index=len(self.rounds), draft_tokens=drafted.tolist(), features=list(records),
             n_accepted=int(num_matches), accept_prob=accept.tolist(), beta=beta,
@@ -329,6 +336,7 @@ class RoundRecorder:
 
 
 OWN = "hf:"  # spec prefix of transformers' own schedules
+LOOKUP_KEY = "prompt_lookup_num_tokens"  # generate()'s switch to its prompt lookup decoding
 
 
 def own_schedule(spec: str) -> dict:
@@ -338,7 +346,9 @@ def own_schedule(spec: str) -> dict:
     - ``hf:heuristic[:K0]``: transformers' heuristic (+2 after a full accept, else -1), from K0
       (default 20, transformers' start);
     - ``hf:confidence[:T]``: transformers' default: up to 20 tokens, stopping below draft
-      confidence T (default 0.4), T refitted online by its ROC rule.
+      confidence T (default 0.4), T refitted online by its ROC rule;
+    - ``hf:lookup[:N]``: transformers' prompt lookup decoding, up to N tokens a round (default
+      10), no assistant model (its settings are ``generate()`` arguments, ``LOOKUP_KEY``).
 
     Schedules other than ``confidence`` run with the confidence rule off."""
     name, _, value = spec.removeprefix(OWN).partition(":")
@@ -353,10 +363,18 @@ def own_schedule(spec: str) -> dict:
         if name == "confidence":
             return {"num_assistant_tokens_schedule": "constant", "num_assistant_tokens": 20,
                     "assistant_confidence_threshold": float(value or 0.4)}
+        if name == "lookup" and int(value or 10) >= 1:
+            return {LOOKUP_KEY: int(value or 10)}
     except ValueError:
         pass
     raise HFEngineError(f"unknown transformers schedule {spec!r}: use hf:constant:K, "
-                        "hf:heuristic[:K0] or hf:confidence[:T]")
+                        "hf:heuristic[:K0], hf:confidence[:T] or hf:lookup[:N]")
+
+
+def own_schedule_is_lookup(spec: str) -> bool:
+    """Whether ``spec`` is transformers' prompt lookup (``hf:lookup[:N]``), which drafts
+    without an assistant model."""
+    return spec.startswith(OWN) and LOOKUP_KEY in own_schedule(spec)
 
 
 @dataclass
@@ -370,12 +388,15 @@ class HFRun:
 
 def run(model, input_ids: torch.Tensor, assistant_model,
         controller: str | Controller | None = "svip", max_draft: int = MAX_DRAFT,
-        **generate_kwargs) -> HFRun:
+        lookup: str | None = None, **generate_kwargs) -> HFRun:
     """``model.generate(input_ids, assistant_model=..., **generate_kwargs)``, recording every
     round. ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
-    length; one of transformers' own schedules (``hf:...``, see ``own_schedule``); or None:
-    transformers' schedule as the assistant's generation config sets it. A ``tokenizer`` in
-    ``generate_kwargs`` (generate() takes one) gives the records their token classes."""
+    length; one of transformers' own schedules (``hf:...``, see ``own_schedule``; with
+    ``hf:lookup`` the assistant is not used); or None: transformers' schedule as the
+    assistant's generation config sets it. ``lookup``: ``model+lookup[,key=value...]`` mixes
+    a feature draft's distribution with context lookup (``draftctl.drafters.lookup``). A
+    ``tokenizer`` in ``generate_kwargs`` (generate() takes one) gives the records their token
+    classes."""
     check_transformers()
     schedule = {}
     if isinstance(controller, str) and controller.startswith(OWN):
@@ -385,6 +406,12 @@ def run(model, input_ids: torch.Tensor, assistant_model,
     if controller is not None and controller.reads_tokens:
         raise HFEngineError(f"controller {controller.spec!r} needs the reference output, which "
                             "generate() does not have: run it in draftctl bench")
+    if LOOKUP_KEY in schedule:  # transformers' prompt lookup: no assistant model
+        if lookup is not None:
+            raise HFEngineError("hf:lookup is transformers' own prompt lookup; lookup= mixes "
+                                "context lookup into a feature draft's drafts")
+        return _run_prompt_lookup(model, input_ids, schedule, **generate_kwargs)
+    lookup_config = _lookup_config(lookup, assistant_model)
     assistant_model = as_assistant(assistant_model)
     target_vocab, draft_vocab = _vocabulary(model), _vocabulary(assistant_model)
     if target_vocab != draft_vocab:
@@ -412,7 +439,7 @@ def run(model, input_ids: torch.Tensor, assistant_model,
         if feature:
             inner = FeatureCandidateGenerator(assistant_model, controller, target_vocab,
                                               max_draft, generation_config.max_length,
-                                              sampling, classes)
+                                              sampling, classes, lookup_config)
         elif controller is None:
             inner = own(self, generation_config, input_ids, inputs_tensor, logits_processor,
                         model_kwargs, assistant_model=assistant_model, **kwargs)
@@ -442,6 +469,47 @@ def run(model, input_ids: torch.Tensor, assistant_model,
     return HFRun(output, recorders[-1].rounds if recorders else [], wall)
 
 
+def _lookup_config(lookup: str | None, assistant_model) -> LookupConfig | None:
+    """The context lookup a ``lookup=`` spec asks for, or a clear error: inside generate()
+    it mixes into a feature draft's drafts (``model+lookup``)."""
+    from draftctl.drafters.lookup import is_lookup, parse_lookup
+
+    if lookup is None:
+        return None
+    if not is_lookup(lookup) or lookup.split(",")[0] != "model+lookup":
+        raise HFEngineError(f"lookup={lookup!r}: inside generate() use model+lookup[,key=value"
+                            "...] with a feature draft, or hf:lookup:N for transformers' own "
+                            "prompt lookup")
+    if not isinstance(assistant_model, FeatureDraftLM):
+        raise HFEngineError(f"lookup={lookup!r} mixes context lookup into a feature draft's "
+                            f"drafts; the assistant is a {type(assistant_model).__name__}")
+    return parse_lookup(lookup)
+
+
+def _run_prompt_lookup(model, input_ids: torch.Tensor, schedule: dict,
+                       **generate_kwargs) -> HFRun:
+    """transformers' prompt lookup decoding (``hf:lookup:N``), its rounds recorded."""
+    do_sample = generate_kwargs.get("do_sample", model.generation_config.do_sample)
+    own = type(model)._get_candidate_generator
+    recorders: list[RoundRecorder] = []
+
+    def candidate_generator(self, *args, **kwargs):
+        recorders.append(RoundRecorder(own(self, *args, **kwargs), _vocabulary(model),
+                                       greedy=not do_sample))
+        return recorders[-1]
+
+    model._get_candidate_generator = types.MethodType(candidate_generator, model)
+    try:
+        start = time.perf_counter()
+        output = model.generate(input_ids, **schedule, **generate_kwargs)
+        if output_device(output).type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        del model._get_candidate_generator
+    return HFRun(output, recorders[-1].rounds if recorders else [], wall)
+
+
 def output_device(output) -> torch.device:
     ids = output if isinstance(output, torch.Tensor) else output.sequences
     return ids.device
@@ -450,7 +518,7 @@ def output_device(output) -> torch.device:
 def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | Controller = "svip",
              max_draft: int = MAX_DRAFT, trace_to: str | Path | None = None,
              trace_id: int | None = None, trace_category: str = "generate",
-             **generate_kwargs):
+             lookup: str | None = None, **generate_kwargs):
     """``model.generate(input_ids, assistant_model=..., **generate_kwargs)`` with ``controller``
     (a spec string or a ``Controller``) deciding each round's draft length. Returns what
     ``model.generate`` returns. Batch size 1, as transformers' assisted generation requires.
@@ -459,12 +527,14 @@ def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | 
     ``draftctl collect --mode policy`` writes (``trace_id``: its prompt id, default the next
     free one; ``trace_category``: its category), and ``run.json``, so that ``replay`` and
     ``train`` read it unchanged. Calls that add to one folder must share the controller, the
-    decoding settings and the models."""
-    result = run(model, input_ids, assistant_model, controller, max_draft, **generate_kwargs)
+    decoding settings and the models. lookup: ``model+lookup[,key=value...]`` mixes a feature
+    draft's distribution with context lookup (see ``run``)."""
+    result = run(model, input_ids, assistant_model, controller, max_draft, lookup,
+                 **generate_kwargs)
     if trace_to is not None:
         spec = controller if isinstance(controller, str) else controller.spec or repr(controller)
         write_traces(Path(trace_to), result.rounds, model, as_assistant(assistant_model), spec,
-                     max_draft, generate_kwargs, trace_id, trace_category)
+                     max_draft, generate_kwargs, trace_id, trace_category, lookup)
     return result.output
 
 
@@ -503,7 +573,7 @@ def _decoding(model, kwargs: dict) -> dict:
 
 def write_traces(folder: Path, rounds: list[RoundRecord], model, assistant, spec: str,
                  max_draft: int, generate_kwargs: dict, trace_id: int | None,
-                 category: str) -> Path:
+                 category: str, lookup: str | None = None) -> Path:
     """One shard of ``rounds`` in ``folder/shards`` and the folder's ``run.json`` (checked
     against an existing one); the cost curve replay models time with is measured from every
     round the folder holds. Returns the shard's path."""
@@ -516,7 +586,8 @@ def write_traces(folder: Path, rounds: list[RoundRecord], model, assistant, spec
     prompt_id = trace_id if trace_id is not None else max(taken, default=-1) + 1
     if prompt_id in taken:
         raise HFEngineError(f"{shards} already holds trace {prompt_id}: pass another trace_id")
-    info = open_run_info(folder, _run_info(model, assistant, spec, max_draft, generate_kwargs))
+    info = open_run_info(folder, _run_info(model, assistant, spec, max_draft, generate_kwargs,
+                                           lookup))
     run_id = f"{spec}-hf"[:48]
     rows = [row for record in rounds for row in round_rows(record, run_id, prompt_id, category)]
     path = shards / f"q{prompt_id}.parquet"
@@ -532,13 +603,17 @@ def _name(model) -> str:
     return getattr(model.config, "_name_or_path", "") or type(model).__name__
 
 
-def _run_info(model, assistant, spec: str, max_draft: int, generate_kwargs: dict) -> dict:
+def _run_info(model, assistant, spec: str, max_draft: int, generate_kwargs: dict,
+              lookup: str | None = None) -> dict:
     from importlib.metadata import version
 
     from draftctl import __version__
     from draftctl.decode.features import FEATURE_NAMES, SCHEMA_VERSION
+    from draftctl.drafters.lookup import parse_lookup
 
-    return {"mode": "rounds", "drafter": "model", "policy": spec, "engine": "transformers",
+    return {"mode": "rounds", "drafter": "model+lookup" if lookup else "model",
+            "lookup": asdict(parse_lookup(lookup)) if lookup else None,
+            "policy": spec, "engine": "transformers",
             "target": _name(model), "target_sha256": None, "draft": _name(assistant),
             "draft_sha256": None, "decoding": _decoding(model, generate_kwargs),
             "k_probe": max_draft, "prompts": "draftctl.hf.generate", "split": None,

@@ -275,6 +275,39 @@ def test_bench_engine_hf_runs_transformers_schedules_and_draftctl_controllers(
         run_bench(BenchConfig(**{**base, "engine": "vllm"}, controllers=["static:2"]))
 
 
+def test_bench_engine_hf_runs_lookup_both_ways(pair, tmp_path):  # noqa: F811
+    """``--engine hf`` runs transformers' own prompt lookup (``hf:lookup:N``, no assistant)
+    beside draftctl controllers drafting with a feature draft mixed with context lookup
+    (``@model+lookup``), every greedy output equal to plain generate()'s; lookup alone and
+    a transformers schedule with lookup are refused by name."""
+    from draftctl.distill.feature import from_target, save_feature_draft
+
+    target, _, prompts = pair
+    model = load_model(target, "cpu").model
+    folder = tmp_path / "feature-draft"
+    vocab = model.config.vocab_size
+    save_feature_draft(from_target(model, torch.arange(vocab), (1, 2)), folder, target, {})
+    args = bench_args(pair, tmp_path / "hf", "--engine", "hf", "--draft", str(folder),
+                      "--controllers", "hf:lookup:3,static:2@model+lookup,alone=2,svip:0.5",
+                      "--no-plots")
+    assert main(args) == 0
+    report = json.loads((tmp_path / "hf" / "report.json").read_text())
+    rows = {c["spec"]: c for c in report["controllers"]}
+    assert report["mismatches"] == 0 and list(rows) == [
+        "hf:lookup:3", "static:2@model+lookup,alone=2", "svip:0.5"]
+    assert rows["hf:lookup:3"]["drafter"] == "transformers' prompt lookup"
+    assert rows["hf:lookup:3"]["draft_forwards"] <= 3 * rows["hf:lookup:3"]["rounds"]
+    assert rows["static:2@model+lookup,alone=2"]["drafter"] == \
+        f"{folder} with model+lookup,alone=2"
+    assert rows["svip:0.5"]["drafter"] == str(folder)
+    base = {"target": target, "prompts": prompts, "split": "all", "device": "cpu",
+            "dtype": "float32", "engine": "hf", "out": str(tmp_path / "x")}
+    for spec in ("static:2@lookup", "hf:constant:2@model+lookup", "svip@rest:/nowhere"):
+        with pytest.raises(DraftctlError, match="hf:lookup:N is transformers' own prompt "
+                                                "lookup"):
+            run_bench(BenchConfig(**base, draft=str(folder), controllers=[spec]))
+
+
 def test_bench_at_t1_runs_every_controller_from_one_seed(pair, tmp_path):  # noqa: F811
     """Sampling (T=1): every controller but the oracle runs, each prompt from the configured
     seed (so a rerun repeats every output, another seed changes them), and no mismatch

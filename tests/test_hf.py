@@ -141,6 +141,62 @@ def test_a_feature_draft_drafts_inside_generate_from_the_targets_states(pair):
         hf.run(target, PROMPT, draft, controller="hf:constant:3", max_new_tokens=4)
 
 
+def test_a_feature_draft_mixed_with_context_lookup_drafts_inside_generate(pair):
+    """``lookup="model+lookup,..."`` mixes the feature draft's q with context lookup inside
+    generate(), as draftctl's decoder does: greedy output equals plain generate() and the
+    rounds equal the decoder's with the same drafter; lookup with any other assistant, or any
+    other lookup spec, is refused by name."""
+    from draftctl.drafters.context import LookupConfig
+    from draftctl.drafters.feature import FeatureDrafter
+
+    target, draft_lm = pair
+    draft = feature.from_target(target, torch.arange(97), (1, 2))
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])  # it repeats: lookup matches
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    result = hf.run(target, prompt, draft, controller="static:3", max_new_tokens=30,
+                    do_sample=False, lookup="model+lookup,alone=2")
+    assert torch.equal(result.output, plain)
+    assert any(f.suffix_len > 0 for r in result.rounds for f in r.features)
+    drafter = FeatureDrafter(draft, 97, make_decoder(target, None).config.sampling,
+                             lookup=LookupConfig(alone=2))
+    ours = list(make_decoder(target, drafter, max_new_tokens=30, pass_shape=PassShape()).rounds(
+        prompt[0].tolist(), make_controller("static:3")))
+    theirs = [(r.draft_tokens, r.n_accepted) for r in result.rounds[1:-1]]
+    assert theirs == [(r.draft_tokens, r.n_accepted) for r in ours[1:len(theirs) + 1]]
+    torch.manual_seed(3)
+    sampled = hf.generate(target, prompt, draft, controller="svip", max_new_tokens=12,
+                          do_sample=True, temperature=1.0, lookup="model+lookup")
+    assert prompt.shape[1] < sampled.shape[1] <= prompt.shape[1] + 12
+    assert torch.equal(sampled[0, :prompt.shape[1]], prompt[0]) and int(sampled.max()) < 97
+    with pytest.raises(hf.HFEngineError, match="mixes context lookup into a feature draft's "
+                                               "drafts; the assistant is a"):
+        hf.run(target, prompt, draft_lm, controller="static:3", max_new_tokens=4,
+               lookup="model+lookup")
+    with pytest.raises(hf.HFEngineError, match="lookup='lookup': inside generate"):
+        hf.run(target, prompt, draft, controller="static:3", max_new_tokens=4, lookup="lookup")
+
+
+def test_transformers_prompt_lookup_runs_without_an_assistant(pair):
+    """``hf:lookup:N`` is transformers' own prompt lookup decoding: no assistant model is
+    used, greedy output equals plain generate(), rounds draft at most N tokens and are
+    recorded; sampled rounds record min(1, p/q) = p(token) for the point-mass draft."""
+    target, _ = pair
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    result = hf.run(target, prompt, None, controller="hf:lookup:3", max_new_tokens=30,
+                    do_sample=False)
+    assert torch.equal(result.output, plain)
+    assert result.rounds and max(r.drafted for r in result.rounds) <= 3
+    assert sum(r.drafted for r in result.rounds) > 0
+    torch.manual_seed(2)
+    sampled = hf.run(target, prompt, None, controller="hf:lookup:3", max_new_tokens=12,
+                     do_sample=True, temperature=1.0)
+    probs = [p for r in sampled.rounds for p in r.accept_prob]
+    assert probs and all(0 <= p <= 1 for p in probs) and len(set(probs)) > 1
+    with pytest.raises(hf.HFEngineError, match="unknown transformers schedule 'hf:lookup:0'"):
+        hf.run(target, prompt, None, controller="hf:lookup:0", max_new_tokens=4)
+
+
 def test_the_shipped_draft_runs_in_generate_on_the_real_model(smollm2):
     """Greedy output equals plain generate() on three prompts for three controllers, with the
     shipped draft loaded as draftctl loads it."""

@@ -1,14 +1,15 @@
 """``draftctl bench --engine hf``: the same prompts through transformers' ``generate()``.
 
 Plain ``generate()`` (AR), transformers' own schedules (``hf:constant:K``,
-``hf:heuristic[:K0]``, ``hf:confidence[:T]``, see ``draftctl.hf.own_schedule``) and draftctl
-controllers (through ``draftctl.hf``; a spec may name a draft of its own, ``hf:heuristic@DRAFT``),
-each prompt run by all of them in a rotated order after
-an untimed warm-up, as ``draftctl bench`` does. Verification is transformers' own in every
-run; the passes are transformers' (unpadded), so greedy outputs are compared with plain
-``generate()``, not with draftctl's bit-exact shapes. Under sampling every run of a prompt
-starts from the same seed.
-"""
+``hf:heuristic[:K0]``, ``hf:confidence[:T]``, ``hf:lookup[:N]``, see
+``draftctl.hf.own_schedule``) and draftctl controllers (through ``draftctl.hf``). A spec may
+name a draft of its own (``hf:heuristic@DRAFT``) or, for a draftctl controller, mix a feature
+draft with context lookup (``svip@model+lookup``: ``--draft`` if given, else the target's
+shipped feature draft). Each prompt is run by all of them in a rotated order after an untimed
+warm-up, as ``draftctl bench`` does. Verification is transformers' own in every run; the
+passes are transformers' (unpadded), so greedy outputs are compared with plain ``generate()``,
+not with draftctl's bit-exact shapes. Under sampling every run of a prompt starts from the
+same seed."""
 
 from __future__ import annotations
 
@@ -33,18 +34,31 @@ DEFAULT_HF_CONTROLLERS = ("hf:heuristic", "hf:confidence:0.4", "hf:constant:4", 
                           "svip")
 
 
-def _check_spec(spec: str) -> None:
-    """A spec ``generate()`` can run: one of transformers' schedules or a draftctl controller
-    that needs no reference output, optionally with a draft model of its own (``@DRAFT``)."""
-    controller, drafter = split_drafter(spec)
-    if drafter is not None and (drafter.startswith("rest:") or is_lookup(drafter)):
-        raise DraftctlError(f"{spec}: transformers' generate() drafts with an assistant model "
-                            f"only, not with {drafter}")
+def _mixes_lookup(drafter: str | None) -> bool:
+    return drafter is not None and drafter.split(",")[0] == "model+lookup"
+
+
+def _check_controller(controller: str) -> None:
+    """A controller ``generate()`` can run: one of transformers' schedules or a draftctl
+    controller that needs no reference output."""
     if controller.startswith(hf.OWN):
         hf.own_schedule(controller)
     elif make_controller(controller).reads_tokens:
-        raise DraftctlError(f"{spec}: the oracle needs the reference output, which generate() "
-                            "does not have")
+        raise DraftctlError(f"{controller}: the oracle needs the reference output, which "
+                            "generate() does not have")
+
+
+def _check_drafter(spec: str) -> None:
+    """A spec's ``@DRAFTER`` that ``generate()`` can draft with: a draft model of its own, or
+    for a draftctl controller a feature draft mixed with context lookup (``model+lookup``)."""
+    controller, drafter = split_drafter(spec)
+    if drafter is None or not (drafter.startswith("rest:") or is_lookup(drafter)):
+        return
+    if not _mixes_lookup(drafter) or controller.startswith(hf.OWN):
+        raise DraftctlError(f"{spec}: transformers' generate() drafts with an assistant model, "
+                            f"not with {drafter}; a draftctl controller takes @model+lookup "
+                            "(a feature draft mixed with context lookup), and hf:lookup:N is "
+                            "transformers' own prompt lookup")
 
 
 def _result(ids: list[int], output: torch.Tensor, rounds, wall_s: float,
@@ -63,7 +77,9 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     write the same report files as ``run_bench``."""
     hf.check_transformers()
     specs = [s for s in expand_specs(cfg.controllers or list(DEFAULT_HF_CONTROLLERS),
-                                     check=_check_spec) if s != "none"]
+                                     check=_check_controller) if s != "none"]
+    for spec in specs:
+        _check_drafter(spec)
     if not specs:
         raise DraftctlError("no controllers to benchmark: pass --controllers SPEC,...")
     if len(set(specs)) != len(specs):
@@ -79,7 +95,14 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     save_config(cfg, out / "bench.yaml")
     setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, "free", cfg.profile, progress)
     target = load_model(cfg.target, cfg.device, setup.target_dtype)
-    drafter_of = {spec: split_drafter(spec)[1] or draft_spec for spec in specs}
+    lookup_of = {spec: split_drafter(spec)[1] for spec in specs
+                 if _mixes_lookup(split_drafter(spec)[1])}
+    feature_spec = cfg.draft or default_draft(cfg.target)  # what @model+lookup mixes with
+    if lookup_of and feature_spec is None:
+        raise DraftctlError(f"{', '.join(lookup_of)}: no feature draft for {cfg.target!r} to "
+                            "mix with context lookup: pass --draft SPEC")
+    drafter_of = {spec: feature_spec if spec in lookup_of else split_drafter(spec)[1]
+                  or draft_spec for spec in specs}
     drafts = {name: load_model(name, target.device, setup.draft_dtype, target=target)
               for name in dict.fromkeys([draft_spec, *drafter_of.values()])}
     greedy = cfg.temperature == 0
@@ -109,7 +132,8 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
             return output, [], time.perf_counter() - start
         result = hf.run(target.model, tensor, drafts[drafter_of[spec]].model,
                         controller=split_drafter(spec)[0], max_draft=cfg.max_draft,
-                        attention_mask=torch.ones_like(tensor), **call)
+                        lookup=lookup_of.get(spec), attention_mask=torch.ones_like(tensor),
+                        **call)
         return result.output, result.rounds, result.wall_s
 
     warm_ups = ["none", *{drafter_of[s]: f"static:1@{drafter_of[s]}" for s in specs}.values()]
@@ -144,6 +168,9 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     report["pass_shape"], report["bit_exact"] = "free", False
     report["transformers"] = hf.transformers.__version__
     for row in report["controllers"]:
-        row["bit_exact"], row["drafter"] = False, drafter_of[row["spec"]]
+        spec = row["spec"]
+        row["bit_exact"] = False
+        row["drafter"] = "transformers' prompt lookup" if hf.own_schedule_is_lookup(split_drafter(spec)[0]) else \
+            drafter_of[spec] + (f" with {lookup_of[spec]}" if spec in lookup_of else "")
         row["schedule"] = "transformers" if row["spec"].startswith(hf.OWN) else "draftctl"
     return write_report(report, runs, out, cfg.plots)
