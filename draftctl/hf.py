@@ -451,21 +451,31 @@ def run(model, input_ids: torch.Tensor, assistant_model,
         recorders.append(RoundRecorder(inner, target_vocab, greedy=not do_sample))
         return recorders[-1]
 
-    model._get_candidate_generator = types.MethodType(candidate_generator, model)
     config = getattr(assistant_model, "generation_config", None)
     before = {name: getattr(config, name) for name in schedule}
     if schedule:
         config.update(**schedule)
     try:
+        return _recorded_generate(model, candidate_generator, recorders, input_ids,
+                                  assistant_model=assistant_model, **generate_kwargs)
+    finally:
+        if schedule:
+            config.update(**before)
+
+
+def _recorded_generate(model, candidate_generator, recorders: list[RoundRecorder],
+                       input_ids: torch.Tensor, **generate_kwargs) -> HFRun:
+    """``model.generate`` with ``candidate_generator`` (which appends its ``RoundRecorder``
+    to ``recorders``) in place of the model's own, timed."""
+    model._get_candidate_generator = types.MethodType(candidate_generator, model)
+    try:
         start = time.perf_counter()
-        output = model.generate(input_ids, assistant_model=assistant_model, **generate_kwargs)
+        output = model.generate(input_ids, **generate_kwargs)
         if output_device(output).type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     finally:
         del model._get_candidate_generator
-        if schedule:
-            config.update(**before)
     return HFRun(output, recorders[-1].rounds if recorders else [], wall)
 
 
@@ -498,16 +508,8 @@ def _run_prompt_lookup(model, input_ids: torch.Tensor, schedule: dict,
                                        greedy=not do_sample))
         return recorders[-1]
 
-    model._get_candidate_generator = types.MethodType(candidate_generator, model)
-    try:
-        start = time.perf_counter()
-        output = model.generate(input_ids, **schedule, **generate_kwargs)
-        if output_device(output).type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    finally:
-        del model._get_candidate_generator
-    return HFRun(output, recorders[-1].rounds if recorders else [], wall)
+    return _recorded_generate(model, candidate_generator, recorders, input_ids, **schedule,
+                              **generate_kwargs)
 
 
 def output_device(output) -> torch.device:

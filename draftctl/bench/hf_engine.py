@@ -169,8 +169,11 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     report["transformers"] = hf.transformers.__version__
     for row in report["controllers"]:
         spec = row["spec"]
+        if hf.own_schedule_is_lookup(split_drafter(spec)[0]):
+            row["drafter"] = "transformers' prompt lookup"
+        else:
+            row["drafter"] = drafter_of[spec] + (f" with {lookup_of[spec]}"
+                                                 if spec in lookup_of else "")
         row["bit_exact"] = False
-        row["drafter"] = "transformers' prompt lookup" if hf.own_schedule_is_lookup(split_drafter(spec)[0]) else \
-            drafter_of[spec] + (f" with {lookup_of[spec]}" if spec in lookup_of else "")
-        row["schedule"] = "transformers" if row["spec"].startswith(hf.OWN) else "draftctl"
+        row["schedule"] = "transformers" if spec.startswith(hf.OWN) else "draftctl"
     return write_report(report, runs, out, cfg.plots)
