@@ -482,11 +482,11 @@ def _recorded_generate(model, candidate_generator, recorders: list[RoundRecorder
 def _lookup_config(lookup: str | None, assistant_model) -> LookupConfig | None:
     """The context lookup a ``lookup=`` spec asks for, or a clear error: inside generate()
     it mixes into a feature draft's drafts (``model+lookup``)."""
-    from draftctl.drafters.lookup import is_lookup, parse_lookup
+    from draftctl.drafters.lookup import MODEL_LOOKUP, lookup_kind, parse_lookup
 
     if lookup is None:
         return None
-    if not is_lookup(lookup) or lookup.split(",")[0] != "model+lookup":
+    if lookup_kind(lookup) != MODEL_LOOKUP:
         raise HFEngineError(f"lookup={lookup!r}: inside generate() use model+lookup[,key=value"
                             "...] with a feature draft, or hf:lookup:N for transformers' own "
                             "prompt lookup")

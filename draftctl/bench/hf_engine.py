@@ -24,7 +24,7 @@ from draftctl.bench.run import BenchConfig, Run, build_report, write_report
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.decode.loop import GenerationResult
-from draftctl.drafters.lookup import is_lookup
+from draftctl.drafters.lookup import MODEL_LOOKUP, is_lookup, lookup_kind
 from draftctl.errors import DraftctlError
 from draftctl.models import default_draft, encode_prompt, load_model
 from draftctl.profile import settle
@@ -35,7 +35,7 @@ DEFAULT_HF_CONTROLLERS = ("hf:heuristic", "hf:confidence:0.4", "hf:constant:4", 
 
 
 def _mixes_lookup(drafter: str | None) -> bool:
-    return drafter is not None and drafter.split(",")[0] == "model+lookup"
+    return lookup_kind(drafter) == MODEL_LOOKUP
 
 
 def _check_controller(controller: str) -> None:
@@ -95,14 +95,14 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     save_config(cfg, out / "bench.yaml")
     setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, "free", cfg.profile, progress)
     target = load_model(cfg.target, cfg.device, setup.target_dtype)
-    lookup_of = {spec: split_drafter(spec)[1] for spec in specs
-                 if _mixes_lookup(split_drafter(spec)[1])}
+    named = {spec: split_drafter(spec)[1] for spec in specs}  # each spec's @DRAFTER, or None
+    lookup_of = {spec: drafter for spec, drafter in named.items() if _mixes_lookup(drafter)}
     feature_spec = cfg.draft or default_draft(cfg.target)  # what @model+lookup mixes with
     if lookup_of and feature_spec is None:
         raise DraftctlError(f"{', '.join(lookup_of)}: no feature draft for {cfg.target!r} to "
                             "mix with context lookup: pass --draft SPEC")
-    drafter_of = {spec: feature_spec if spec in lookup_of else split_drafter(spec)[1]
-                  or draft_spec for spec in specs}
+    drafter_of = {spec: feature_spec if spec in lookup_of else drafter or draft_spec
+                  for spec, drafter in named.items()}
     drafts = {name: load_model(name, target.device, setup.draft_dtype, target=target)
               for name in dict.fromkeys([draft_spec, *drafter_of.values()])}
     greedy = cfg.temperature == 0

@@ -86,13 +86,13 @@ class DrafterSpec:
 
 def parse_drafter(spec: str | None) -> DrafterSpec:
     """The drafter a spec names (None: the draft model), or a clear error."""
-    from draftctl.drafters.lookup import is_lookup, parse_lookup
+    from draftctl.drafters.lookup import lookup_kind, parse_lookup
     from draftctl.retrieval import is_retrieval
 
     if spec is None or spec == MODEL:
         return DrafterSpec(MODEL, MODEL)
-    if is_lookup(spec):
-        return DrafterSpec(spec, spec.split(",")[0], parse_lookup(spec))
+    if lookup_kind(spec):
+        return DrafterSpec(spec, lookup_kind(spec), parse_lookup(spec))
     if is_retrieval(spec):
         return DrafterSpec(spec, "rest")
     raise DraftctlError(f"unknown drafter {spec!r}: use model, model+lookup, lookup or rest:DIR "

@@ -85,5 +85,12 @@ def parse_lookup(spec: str) -> LookupConfig:
     return LookupConfig(**settings)
 
 
+def lookup_kind(spec: str | None) -> str | None:
+    """``lookup`` or ``model+lookup`` for a lookup drafter spec (options after commas), else
+    None."""
+    kind = spec.split(",")[0] if spec is not None else None
+    return kind if kind in (LOOKUP, MODEL_LOOKUP) else None
+
+
 def is_lookup(spec: str | None) -> bool:
-    return spec is not None and spec.split(",")[0] in (LOOKUP, MODEL_LOOKUP)
+    return lookup_kind(spec) is not None
