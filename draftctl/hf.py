@@ -282,11 +282,13 @@ class RoundRecorder:
     """Wraps a transformers candidate generator (its own schedules, or the controlled one) and
     records every round as draftctl's ``RoundRecord``: the drafted tokens, the accepted count,
     the target's argmax and accept probabilities (``min(1, p/q)`` when sampling, 1/0 in
-    greedy mode), beta, the new tokens, and draft and verification seconds. Everything else
-    is the wrapped generator's (transformers keeps its checks on the real class)."""
+    greedy mode), the new tokens, and draft and verification seconds; with ``beta``, also
+    each token's ``sum_v min(p, q)`` (a pass over the vocabulary per token inside the timed
+    call: traces want it, a timed comparison leaves it out). Everything else is the wrapped
+    generator's (transformers keeps its checks on the real class)."""
 
-    def __init__(self, inner, vocab_size: int, greedy: bool):
-        self.inner, self.vocab_size, self.greedy = inner, vocab_size, greedy
+    def __init__(self, inner, vocab_size: int, greedy: bool, beta: bool = True):
+        self.inner, self.vocab_size, self.greedy, self.beta = inner, vocab_size, greedy, beta
         self.rounds: list[RoundRecord] = []
         self._pending: tuple | None = None
 
@@ -315,17 +317,17 @@ class RoundRecorder:
             accept = (drafted == argmax).float()
             raw = getattr(self.inner, "raw_probs", [])
             beta = overlap(torch.softmax(target, -1), torch.stack(raw)).tolist() \
-                if raw and k else []
+                if self.beta and raw and k else []
         else:
             p = torch.softmax(target, -1)
             rows = torch.arange(k, device=p.device)
             if q_logits is None:  # prompt lookup: q is a point mass, min(1, p/q) = p(token)
                 accept = p[rows, drafted]
-                beta = accept.tolist()
+                beta = accept.tolist() if self.beta else []
             else:
                 q = torch.softmax(q_logits[0, :, :self.vocab_size].float().to(p.device), -1)
                 accept = (p[rows, drafted] / q[rows, drafted]).clamp(max=1.0)
-                beta = overlap(p, q).tolist()
+                beta = overlap(p, q).tolist() if self.beta else []
         self.rounds.append(RoundRecord(
             index=len(self.rounds), draft_tokens=drafted.tolist(), features=list(records),
             n_accepted=int(num_matches), accept_prob=accept.tolist(), beta=beta,
@@ -388,9 +390,9 @@ class HFRun:
 
 def run(model, input_ids: torch.Tensor, assistant_model,
         controller: str | Controller | None = "svip", max_draft: int = MAX_DRAFT,
-        lookup: str | None = None, **generate_kwargs) -> HFRun:
+        lookup: str | None = None, beta: bool = True, **generate_kwargs) -> HFRun:
     """``model.generate(input_ids, assistant_model=..., **generate_kwargs)``, recording every
-    round. ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
+    round (``beta``: with each token's ``sum_v min(p, q)``, see ``RoundRecorder``). ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
     length; one of transformers' own schedules (``hf:...``, see ``own_schedule``; with
     ``hf:lookup`` the assistant is not used); or None: transformers' schedule as the
     assistant's generation config sets it. ``lookup``: ``model+lookup[,key=value...]`` mixes
@@ -410,7 +412,7 @@ def run(model, input_ids: torch.Tensor, assistant_model,
         if lookup is not None:
             raise HFEngineError("hf:lookup is transformers' own prompt lookup; lookup= mixes "
                                 "context lookup into a feature draft's drafts")
-        return _run_prompt_lookup(model, input_ids, schedule, **generate_kwargs)
+        return _run_prompt_lookup(model, input_ids, schedule, beta, **generate_kwargs)
     lookup_config = _lookup_config(lookup, assistant_model)
     assistant_model = as_assistant(assistant_model)
     target_vocab, draft_vocab = _vocabulary(model), _vocabulary(assistant_model)
@@ -448,7 +450,7 @@ def run(model, input_ids: torch.Tensor, assistant_model,
                 input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor,
                 logits_processor, controller=controller, vocab_size=target_vocab,
                 max_draft=max_draft, token_classes=classes)
-        recorders.append(RoundRecorder(inner, target_vocab, greedy=not do_sample))
+        recorders.append(RoundRecorder(inner, target_vocab, greedy=not do_sample, beta=beta))
         return recorders[-1]
 
     config = getattr(assistant_model, "generation_config", None)
@@ -496,7 +498,7 @@ def _lookup_config(lookup: str | None, assistant_model) -> LookupConfig | None:
     return parse_lookup(lookup)
 
 
-def _run_prompt_lookup(model, input_ids: torch.Tensor, schedule: dict,
+def _run_prompt_lookup(model, input_ids: torch.Tensor, schedule: dict, beta: bool,
                        **generate_kwargs) -> HFRun:
     """transformers' prompt lookup decoding (``hf:lookup:N``), its rounds recorded."""
     do_sample = generate_kwargs.get("do_sample", model.generation_config.do_sample)
@@ -505,7 +507,7 @@ def _run_prompt_lookup(model, input_ids: torch.Tensor, schedule: dict,
 
     def candidate_generator(self, *args, **kwargs):
         recorders.append(RoundRecorder(own(self, *args, **kwargs), _vocabulary(model),
-                                       greedy=not do_sample))
+                                       greedy=not do_sample, beta=beta))
         return recorders[-1]
 
     return _recorded_generate(model, candidate_generator, recorders, input_ids, **schedule,
@@ -532,7 +534,7 @@ def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | 
     decoding settings and the models. lookup: ``model+lookup[,key=value...]`` mixes a feature
     draft's distribution with context lookup (see ``run``)."""
     result = run(model, input_ids, assistant_model, controller, max_draft, lookup,
-                 **generate_kwargs)
+                 beta=trace_to is not None, **generate_kwargs)
     if trace_to is not None:
         spec = controller if isinstance(controller, str) else controller.spec or repr(controller)
         write_traces(Path(trace_to), result.rounds, model, as_assistant(assistant_model), spec,

@@ -4,6 +4,7 @@ charge of each round's draft length, clear refusals."""
 import itertools
 import json
 
+import pandas as pd
 import pytest
 import torch
 
@@ -236,6 +237,11 @@ def test_traces_from_generate_replay_with_their_round_counts(pair, tmp_path):
         rounds += len(drafting)
         reached += sum(min(r.drafted, r.n_accepted + 1) for r in result.rounds)
         assert sum(len(r.new_tokens) for r in result.rounds) == out.shape[1] - ids.shape[1]
+        assert all(len(r.beta) == r.drafted for r in result.rounds)
+        untimed = hf.run(target, ids, draft, controller="static:3", max_new_tokens=24,
+                         do_sample=False, beta=False)  # what bench times: no beta
+        assert [r.n_accepted for r in untimed.rounds] == [r.n_accepted for r in result.rounds]
+        assert all(r.beta == [] for r in untimed.rounds)
     info = json.loads((tmp_path / "run.json").read_text())
     assert info["mode"] == "rounds" and info["policy"] == "static:3"
     assert info["decoding"]["temperature"] == 0.0 and len(info["cost"]["t_verify_s"]) == 4
@@ -243,6 +249,8 @@ def test_traces_from_generate_replay_with_their_round_counts(pair, tmp_path):
         "q0.parquet", "q1.parquet", "q2.parquet"]
     [static] = replay(tmp_path, ["static:3"])
     assert static["rounds"] == rounds and static["tokens"] == made
+    rows = pd.concat(pd.read_parquet(p) for p in (tmp_path / "shards").iterdir())
+    assert rows["beta"].between(0, 1).all()  # traces keep beta
     examples = load_examples(tmp_path)  # one example per reached draft token
     assert len(examples.y) == reached and 0 < examples.y.mean() < 1
     with pytest.raises(DraftctlError, match="differs in policy"):

@@ -132,8 +132,8 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
             return output, [], time.perf_counter() - start
         result = hf.run(target.model, tensor, drafts[drafter_of[spec]].model,
                         controller=split_drafter(spec)[0], max_draft=cfg.max_draft,
-                        lookup=lookup_of.get(spec), attention_mask=torch.ones_like(tensor),
-                        **call)
+                        lookup=lookup_of.get(spec), beta=False,
+                        attention_mask=torch.ones_like(tensor), **call)
         return result.output, result.rounds, result.wall_s
 
     warm_ups = ["none", *{drafter_of[s]: f"static:1@{drafter_of[s]}" for s in specs}.values()]
