@@ -83,7 +83,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
         rows = x.reshape(-1, x.shape[-1])
-        y = torch.cat([self._product(block, bias) for block in rows.split(LINEAR_BLOCK)])
+        if rows.shape[0] <= LINEAR_BLOCK:  # one product: no split, no copy by cat
+            y = self._product(rows, bias)
+        else:
+            y = torch.cat([self._product(block, bias) for block in rows.split(LINEAR_BLOCK)])
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
