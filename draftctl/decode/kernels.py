@@ -32,8 +32,8 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftctl.errors import DecodeInputError
 
@@ -44,12 +44,17 @@ ATTENTION = "draftctl_query_blocks"  # the view's attention implementation (regi
 
 def query_block_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          scaling: float | None = None, dropout: float = 0.0,
                           **kwargs) -> tuple[torch.Tensor, None]:
     """SDPA over the queries in blocks of ``QUERY_BLOCK`` rows (the last padded), under an
-    explicit 4-D mask. Returns (batch, queries, heads, head_dim) as transformers' SDPA does."""
+    explicit 4-D mask. Returns (batch, queries, heads, head_dim) as transformers' SDPA does.
+    Grouped keys and values go to SDPA as they are (``enable_gqa``): copying them out to every
+    query head, as transformers' SDPA does under a mask, cost more than the attention itself
+    in a decoding step."""
     if attention_mask is None or attention_mask.dim() != 4:
         raise DecodeInputError("row-invariant attention needs an explicit 4-D mask (it is fed "
                                "by draftctl's CachedLM)")
+    grouped = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
     n = query.shape[2]
     outputs = []
     for first in range(0, n, QUERY_BLOCK):
@@ -60,9 +65,11 @@ def query_block_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
             q = torch.cat([q, q[:, :, -1:].expand(-1, -1, QUERY_BLOCK - real, -1)], dim=2)
             mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, QUERY_BLOCK - real, -1)],
                              dim=2)
-        out, _ = sdpa_attention_forward(module, q, key, value, mask, **kwargs)
-        outputs.append(out[:, :real])
-    return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0], None
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout,
+                                             scale=scaling, **grouped)
+        outputs.append(out[:, :, :real])
+    out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, query_block_attention)
