@@ -194,3 +194,21 @@ def test_pass_shapes_parse_and_refuse_bad_specs():
             PassShape.parse(bad)
     with pytest.raises(DecodeInputError, match="cannot run at fewer rows"):
         PassShape(pad_to=(1, 1))
+
+
+def test_row_invariant_attention_reads_grouped_heads_and_refuses_softcap():
+    """The view's attention hands grouped keys to SDPA as they are: each query head reads its
+    group's key head, as with the keys repeated per head; padded query rows are dropped.
+    Soft-capped attention (which it cannot do) is refused, not silently left out."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 6, 3, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    mask = torch.rand(1, 1, 3, 40) > 0.3
+    mask[..., 0] = True
+    out, _ = kernels.query_block_attention(None, query, key, value, mask, scaling=0.25)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask,
+        scale=0.25).transpose(1, 2)
+    assert out.shape == (1, 3, 6, 8)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(DecodeInputError, match="soft-capping"):
+        kernels.query_block_attention(None, query, key, value, mask, softcap=30.0)

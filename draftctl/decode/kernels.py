@@ -54,7 +54,9 @@ def query_block_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if attention_mask is None or attention_mask.dim() != 4:
         raise DecodeInputError("row-invariant attention needs an explicit 4-D mask (it is fed "
                                "by draftctl's CachedLM)")
-    grouped = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
+    if kwargs.get("softcap") is not None:
+        raise DecodeInputError("row-invariant attention has no logit soft-capping; use fixed:M")
+    grouped = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
     n = query.shape[2]
     outputs = []
     for first in range(0, n, QUERY_BLOCK):
