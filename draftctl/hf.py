@@ -392,7 +392,8 @@ def run(model, input_ids: torch.Tensor, assistant_model,
         controller: str | Controller | None = "svip", max_draft: int = MAX_DRAFT,
         lookup: str | None = None, beta: bool = True, **generate_kwargs) -> HFRun:
     """``model.generate(input_ids, assistant_model=..., **generate_kwargs)``, recording every
-    round (``beta``: with each token's ``sum_v min(p, q)``, see ``RoundRecorder``). ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
+    round (``beta``: with each token's ``sum_v min(p, q)``, see ``RoundRecorder``).
+    ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
     length; one of transformers' own schedules (``hf:...``, see ``own_schedule``; with
     ``hf:lookup`` the assistant is not used); or None: transformers' schedule as the
     assistant's generation config sets it. ``lookup``: ``model+lookup[,key=value...]`` mixes
