@@ -150,6 +150,12 @@ class FeatureCandidateGenerator(CandidateGenerator):
         self.prefilled = False
         controller.reset()
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a round drafts (transformers >= 5.25 sizes the cache's recording of
+        recurrent states by it)."""
+        return self.max_draft
+
     def get_candidates(self, input_ids: torch.LongTensor, model_kwargs=None, model_outputs=None,
                        is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
         from draftctl.decode.features import records_from_stats
@@ -249,6 +255,11 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
         self.raw_probs: list[torch.Tensor] = []  # (V,) temperature-1 draft softmax per token
         self.state: SequenceState | None = None
         controller.reset()
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a round drafts: the controller's length, not a schedule's."""
+        return self.max_draft
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         if self.state is None:
