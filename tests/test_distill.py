@@ -312,3 +312,30 @@ def test_bfloat16_training_runs_under_autocast_and_stays_lossless(setup):
     assert generate(decoder, ids, make_controller("static:3")).output_ids == reference
     with pytest.raises(DraftctlError, match="train_dtype must be one of float32, bfloat16"):
         run_distill(replace(config, train_dtype="float16"))
+
+
+def test_static_and_dynamic_caches_give_the_same_greedy_answers(setup, tmp_path):
+    """Distill's answers use a static cache on CPU (no copy of keys and values per step):
+    over left-padded batches of prompts of different lengths, float32 greedy answers are the
+    dynamic cache's, token for token; an unknown cache is refused by name."""
+    from draftctl.distill.data import generate_responses
+    from draftctl.prompts import load_prompts
+
+    teacher, config = setup
+    target = load_model(teacher, "cpu", "float32")
+    prompts = load_prompts(config.prompts, "all", 12)
+    rows = {}
+    for cache in ("static", "dynamic"):
+        path = tmp_path / f"{cache}.jsonl"
+        generate_responses(target.model, target.tokenizer, prompts, path, samples_per_prompt=0,
+                           max_new_tokens=8, temperature=1.0, top_p=1.0, batch_size=5,
+                           max_prompt_tokens=64, seed=0, eos_ids=target.eos_token_ids,
+                           cache=cache)
+        rows[cache] = sorted(path.read_text().splitlines())
+    assert len(rows["static"]) == 12 and rows["static"] == rows["dynamic"]
+    assert any(json.loads(r)["response_ids"] for r in rows["static"])
+    with pytest.raises(ValueError, match="cache must be"):
+        generate_responses(target.model, target.tokenizer, prompts, tmp_path / "x.jsonl",
+                           samples_per_prompt=0, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                           batch_size=5, max_prompt_tokens=64, seed=0,
+                           eos_ids=target.eos_token_ids, cache="paged")
