@@ -14,6 +14,8 @@ from draftctl.drafters.model import ModelDrafter
 from draftctl.models import perturbed_copy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True, scope="session")
