@@ -56,7 +56,6 @@ def query_block_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                                "by draftctl's CachedLM)")
     if kwargs.get("softcap") is not None:
         raise DecodeInputError("row-invariant attention has no logit soft-capping; use fixed:M")
-    grouped = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
     n = query.shape[2]
     outputs = []
     for first in range(0, n, QUERY_BLOCK):
@@ -68,7 +67,8 @@ def query_block_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
             mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, QUERY_BLOCK - real, -1)],
                              dim=2)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout,
-                                             scale=scaling, **grouped)
+                                             scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
         outputs.append(out[:, :, :real])
     out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
     return out.transpose(1, 2).contiguous(), None
