@@ -69,7 +69,8 @@ def _distill(args: argparse.Namespace) -> int:
     overrides = {"target": args.target, "out": args.out, "prompts": args.prompts,
                  "limit": args.limit, "steps": args.steps,
                  "time_budget_min": args.time_budget_min, "dtype": args.dtype,
-                 "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir}
+                 "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir,
+                 "init_from": args.init_from}
     manifest = run_distill(load_config(DistillConfig, args.config, overrides))
     print(f"draft written to {manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
@@ -303,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "reading the target's hidden states (needs feature_layers)")
     dist.add_argument("--data-dir", help="where responses and labels live (default OUT/data); "
                                          "another run's, to train on its data")
+    dist.add_argument("--init-from", metavar="DRAFT",
+                      help="continue training from this draft (a shipped name or a folder "
+                           "distill wrote; same kind and target), keeping its head")
     dist.add_argument("--limit", type=int,
                       help="learn from the first N prompts only (held-out ones included)")
     dist.add_argument("--steps", type=int)

@@ -209,6 +209,18 @@ def load_model(spec: str, device: str | torch.device = "auto",
                        dtype=torch_dtype)
 
 
+def distilled_folder(spec: str) -> Path | None:
+    """The folder of the draftctl-distilled draft a spec names (a shipped draft's name or a
+    local folder), or None when the spec names something else."""
+    from draftctl.distill.feature import is_feature_draft
+    from draftctl.distill.model import is_draft_folder
+
+    source, kwargs = _source(spec)
+    if kwargs or not (is_draft_folder(source) or is_feature_draft(source)):
+        return None
+    return Path(source)
+
+
 def load_tokenizer(spec: str):
     """Only the tokenizer a model spec names (no weights are loaded)."""
     from transformers import AutoTokenizer

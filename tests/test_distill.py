@@ -339,3 +339,31 @@ def test_static_and_dynamic_caches_give_the_same_greedy_answers(setup, tmp_path)
                            samples_per_prompt=0, max_new_tokens=8, temperature=1.0, top_p=1.0,
                            batch_size=5, max_prompt_tokens=64, seed=0,
                            eos_ids=target.eos_token_ids, cache="paged")
+
+
+def test_a_run_continues_from_an_earlier_draft(setup):
+    """``init_from``: training starts from an earlier draft's weights and keeps its head (the
+    recipe's head size is ignored); a draft of another kind, or no draft, is refused."""
+    from dataclasses import replace
+
+    teacher_spec, config = setup
+    first = run_distill(config)
+    second = replace(config, out=str(Path(config.out).parent / "second"), init_from=config.out,
+                     head_size=24, steps=3)
+    manifest = run_distill(second)
+    target = load_model(teacher_spec, "cpu")
+    earlier = load_model(config.out, "cpu", target=target).model
+    later = load_model(second.out, "cpu", target=target).model
+    assert torch.equal(later.head_ids, earlier.head_ids) and later.head_ids.numel() == 40
+    # step 0 evaluates the earlier draft's weights as saved, on the same held-out answers
+    assert manifest["training"]["history"][0]["agreement"] == pytest.approx(
+        first["agreement_eval_int8"], abs=1e-9)
+    saved = json.loads((Path(config.out) / "manifest.json").read_text())
+    assert manifest["training"]["init_from"]["weights_sha256"] == saved["weights_sha256"]
+    assert not torch.equal(later.head.weight, earlier.head.weight)  # and it trained on
+    with pytest.raises(DraftctlError, match="is a model draft; this recipe trains a feature"):
+        run_distill(replace(second, out=str(Path(config.out).parent / "third"), kind="feature",
+                            feature_layers=[1, 2]))
+    with pytest.raises(DraftctlError, match="is not a draft distilled by draftctl"):
+        run_distill(replace(second, out=str(Path(config.out).parent / "fourth"),
+                            init_from=teacher_spec))

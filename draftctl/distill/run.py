@@ -43,6 +43,7 @@ from draftctl.errors import DraftctlError
 from draftctl.models import (
     DEFAULT_TARGET,
     LoadedModel,
+    distilled_folder,
     load_model,
     model_file_sha256,
 )
@@ -108,6 +109,10 @@ class DistillConfig:
     # where stages 1-2 (responses, teacher labels) live; default OUT/data. Another run's data
     # folder trains a second draft (e.g. the other kind) on the same data without remaking it
     data_dir: str | None = None
+    # a draft of the same kind and target (a folder or a shipped name) that training continues
+    # from: its weights start training and its head ids are kept (head_size and head_coverage
+    # are then ignored), so a longer recipe can run session by session, each on new data
+    init_from: str | None = None
     notes: str = ""
 
 
@@ -352,16 +357,20 @@ def run_distill(cfg: DistillConfig) -> dict:
     texts = text_rows(target.tokenizer, cfg.extra_text, cfg.text_chunk_tokens)
     eval_rows = read_responses(data / "eval.jsonl")
 
+    init = initial_draft(cfg, target)
     teacher_path = data / "teacher.pt"
     if teacher_path.is_file():
         teacher = torch.load(teacher_path)
     else:
-        head_size = cfg.head_size
-        if cfg.head_coverage > 0:
-            head_size = head_size_for(rows + texts["rows"], eval_rows, cfg.head_sizes,
-                                      cfg.head_coverage)["head_size"]
-        head_ids = choose_head_ids(rows + texts["rows"], head_size, target.eos_token_ids,
-                                   len(target.tokenizer))
+        if init is not None:
+            head_ids = init.head_ids.cpu()
+        else:
+            head_size = cfg.head_size
+            if cfg.head_coverage > 0:
+                head_size = head_size_for(rows + texts["rows"], eval_rows, cfg.head_sizes,
+                                          cfg.head_coverage)["head_size"]
+            head_ids = choose_head_ids(rows + texts["rows"], head_size, target.eos_token_ids,
+                                       len(target.tokenizer))
         labelled = teacher_labels(target.model, rows + texts["rows"], head_ids,
                                   cfg.teacher_top_k, prompt_loss=cfg.prompt_loss,
                                   folder=data / "teacher",
@@ -372,6 +381,8 @@ def run_distill(cfg: DistillConfig) -> dict:
         _atomic_save(teacher, teacher_path)
 
     trainee = _trainee(cfg, target, teacher, eval_rows, data / "teacher")
+    if init is not None:
+        trainee.draft.load_state_dict(trainee_state(init), strict=False)
     train_started = time.perf_counter()
     history, step = _train(cfg, trainee, len(teacher["sequences"]), out)
     stages = {**read_stages(data),
@@ -397,8 +408,10 @@ def run_distill(cfg: DistillConfig) -> dict:
                          "head_size": len(teacher["head_ids"]),
                          "head_coverage_heldout": coverage(teacher["head_ids"], eval_rows),
                          "embedding": "target's, frozen, not stored",
-                         "head": "trained, initialised from the head tokens' embedding rows"},
-        "training": {"steps": step, "history": history},
+                         "head": "trained, initialised from the head tokens' embedding rows"
+                         if init is None else "trained, continued from init_from's head"},
+        "training": {"steps": step, "history": history,
+                     "init_from": init_record(cfg.init_from) if init is not None else None},
         "agreement_eval_float32": final["agreement"],
         "eval_float32": final,
         "config": asdict(cfg),
@@ -421,7 +434,56 @@ DATA_KEYS = ("target", "prompts", "split", "limit", "samples_per_prompt", "max_n
              "temperature", "top_p", "max_prompt_tokens", "extra_text", "text_chunk_tokens",
              "eval_prompts", "eval_split", "eval_limit", "holdout_every", "eval_max_new_tokens",
              "head_size", "head_coverage", "head_sizes", "teacher_top_k", "feature_layers",
-             "prompt_loss", "seed", "dtype")
+             "prompt_loss", "seed", "dtype", "init_from")
+
+
+def initial_draft(cfg: DistillConfig, target: LoadedModel) -> torch.nn.Module | None:
+    """The draft ``init_from`` names, checked against the recipe (same target, same kind,
+    same feature layers or depth), or None."""
+    if not cfg.init_from:
+        return None
+    from draftctl.distill.feature import FeatureDraftLM
+    from draftctl.distill.model import read_draft_config
+
+    folder = distilled_folder(cfg.init_from)
+    if folder is None:
+        raise DraftctlError(f"init_from {cfg.init_from!r} is not a draft distilled by draftctl "
+                            f"(a shipped draft's name or a folder that distill wrote)")
+    base = read_draft_config(folder)["target"]
+    if base != cfg.target:
+        raise DraftctlError(f"init_from {cfg.init_from!r} was distilled from {base!r}, not from "
+                            f"this recipe's target {cfg.target!r}")
+    model = load_model(cfg.init_from, "cpu", torch.float32, target=target).model
+    kind = "feature" if isinstance(model, FeatureDraftLM) else "model"
+    if kind != cfg.kind:
+        raise DraftctlError(f"init_from {cfg.init_from!r} is a {kind} draft; this recipe trains "
+                            f"a {cfg.kind} draft")
+    if kind == "feature" and list(model.feature_layers) != list(cfg.feature_layers):
+        raise DraftctlError(f"init_from {cfg.init_from!r} reads feature_layers "
+                            f"{list(model.feature_layers)}, this recipe {cfg.feature_layers}")
+    if kind == "model" and model.config.num_hidden_layers != cfg.n_layers:
+        raise DraftctlError(f"init_from {cfg.init_from!r} has {model.config.num_hidden_layers} "
+                            f"layers, this recipe n_layers {cfg.n_layers}")
+    return model
+
+
+def trainee_state(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from draftctl.distill import feature
+    from draftctl.distill.feature import FeatureDraftLM
+
+    if isinstance(draft, FeatureDraftLM):
+        return feature.trainable_state(draft)
+    return trainable_state(draft)
+
+
+def init_record(spec: str) -> dict:
+    """What the manifest says of the draft a run continued from."""
+    manifest = json.loads((distilled_folder(spec) / "manifest.json").read_text())
+    return {"spec": spec, "weights_sha256": manifest.get("weights_sha256"),
+            "steps": manifest.get("training", {}).get("steps"),
+            "data": {k: manifest.get("data", {}).get(k) for k in
+                     ("prompt_file", "prompts", "response_tokens", "responses_sha256")},
+            "agreement_eval_int8": manifest.get("agreement_eval_int8")}
 
 
 def check_data_recipe(cfg: DistillConfig, data: Path) -> None:
