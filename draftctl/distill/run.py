@@ -381,8 +381,8 @@ def run_distill(cfg: DistillConfig) -> dict:
         _atomic_save(teacher, teacher_path)
 
     trainee = _trainee(cfg, target, teacher, eval_rows, data / "teacher")
-    if init is not None:
-        trainee.draft.load_state_dict(trainee_state(init), strict=False)
+    if init is not None:  # same kind and shape, checked: every tensor must fit
+        trainee.draft.load_state_dict(init.state_dict())
     train_started = time.perf_counter()
     history, step = _train(cfg, trainee, len(teacher["sequences"]), out)
     stages = {**read_stages(data),
@@ -465,15 +465,6 @@ def initial_draft(cfg: DistillConfig, target: LoadedModel) -> torch.nn.Module | 
         raise DraftctlError(f"init_from {cfg.init_from!r} has {model.config.num_hidden_layers} "
                             f"layers, this recipe n_layers {cfg.n_layers}")
     return model
-
-
-def trainee_state(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from draftctl.distill import feature
-    from draftctl.distill.feature import FeatureDraftLM
-
-    if isinstance(draft, FeatureDraftLM):
-        return feature.trainable_state(draft)
-    return trainable_state(draft)
 
 
 def init_record(spec: str) -> dict:
