@@ -12,6 +12,7 @@ it reports, in one run:
   (e) the drafter's own greedy agreement as it drafts live (``--drafter model+lookup``: with
       context lookup), from its batched continuations after every prefix of the output: its
       first token, and its second where the first was right;
+(a) and (e) also per task group (``by_task``: where does the draft fall short?);
 and once: (d) the draft's step (a one-token proposal) over the target's step, from the profile
 (the target's step is a one-token pass at the pass shape decoding really uses, and unpadded).
 The target's greedy output comes from the ``static:4`` run itself (greedy SD is lossless; the
@@ -99,6 +100,7 @@ def quality(decoder, target, draft, prompts, check: int = 3) -> dict:
     beta = 0.0
     accepted = rounds = first = new_tokens = 0
     live = [0, 0, 0]
+    by_task: dict[str, list[float]] = {}
     for i, prompt in enumerate(tqdm(prompts, desc="draft quality", unit="prompt")):
         ids = encode_prompt(target.tokenizer, prompt.text)
         result = generate(decoder, ids, make_controller("static:4"))
@@ -106,7 +108,11 @@ def quality(decoder, target, draft, prompts, check: int = 3) -> dict:
             plain = generate(decoder, ids, make_controller("none"))
             assert plain.output_ids == result.output_ids, "greedy SD differs from plain decoding"
         got = along_output(target, draft, ids, result.output_ids)
-        live = [a + b for a, b in zip(live, drafter_hits(decoder, ids, result.output_ids))]
+        live_hits = drafter_hits(decoder, ids, result.output_ids)
+        live = [a + b for a, b in zip(live, live_hits)]
+        task = by_task.setdefault(prompt.task, [0, 0, 0, 0])
+        for k, value in enumerate((got["hits"][0], got["positions"], live_hits[0], live_hits[2])):
+            task[k] += value
         hits = [a + b for a, b in zip(hits, got["hits"])] if hits else got["hits"]
         beta, positions = beta + got["beta"], positions + got["positions"]
         drafted = [r for r in result.rounds if r.draft_tokens]
@@ -119,7 +125,10 @@ def quality(decoder, target, draft, prompts, check: int = 3) -> dict:
               "static4_accepted_per_round": accepted / rounds,
               "static4_first_token_accepted": first / rounds, "static4_tau": new_tokens / rounds,
               "drafter_agreement": live[0] / live[2],
-              "drafter_agreement_step2": live[1] / max(1, live[0])}
+              "drafter_agreement_step2": live[1] / max(1, live[0]),
+              "by_task": {name: {"greedy_agreement": h / n, "drafter_agreement": lh / ln,
+                                 "positions": n}
+                          for name, (h, n, lh, ln) in sorted(by_task.items())}}
     if len(hits) > 1:
         report["greedy_agreement_step2"] = hits[1] / positions
     return report
