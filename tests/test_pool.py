@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 from draftctl.distill.pool import (
     FIRST_ID,
     PoolConfig,
+    clean_article,
     clean_request,
     near_duplicates,
     normalise,
@@ -98,3 +99,26 @@ def test_requests_are_cleaned_and_near_duplicates_found():
     close = near_duplicates(texts, 0.8,
                             against=["Please explain how a binary search tree stays balanced."])
     assert close.tolist() == [False, False, True, False]
+
+
+def test_articles_become_long_summarization_and_rag_prompts(small):
+    small.articles, small.article_tokens, small.article_min_words = 6, 48, 5
+    small.article_summaries, small.article_rag = 5, 5
+    manifest = run_pool(small, progress=False)
+    written = [json.loads(x) for x in Path(small.out, "articles.jsonl").read_text().splitlines()]
+    assert sorted((r["question_id"], r["sample"]) for r in written) == [(i, 1) for i in range(6)]
+    assert 2 <= manifest["articles"] <= 6  # sampled only; whole, non-repeating ones kept
+    rows = [json.loads(x) for x in Path(small.out, "pool.jsonl").read_text().splitlines()]
+    made = [r for r in rows if r["source"] == "article"]
+    assert made and {r["category"] for r in made} <= {"summarization", "rag"}
+    for row in made:
+        if row["category"] == "rag":
+            assert "Document 1: " in row["turns"][0]
+
+
+def test_articles_are_cleaned():
+    story = " ".join(f"Sentence {i} tells part {i} of the story." for i in range(30))
+    assert clean_article(story + " And then the", min_words=50) == story
+    assert clean_article("Too short. Much too short.", min_words=50) is None
+    assert clean_article("The cat sat on the mat. " * 40, min_words=50) is None
+    assert clean_article("I'm sorry, I cannot write that. " + story, min_words=50) is None

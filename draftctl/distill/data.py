@@ -50,10 +50,11 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
                        top_p: float, batch_size: int, max_prompt_tokens: int, seed: int,
                        eos_ids: Iterable[int],
                        on_batch: Callable[[dict], None] | None = None,
-                       cache: str = "auto") -> dict:
+                       cache: str = "auto", greedy: bool = True) -> dict:
     """Append ``{"question_id", "sample", "prompt_ids", "response_ids"}`` rows to ``path``.
 
-    Sample 0 is greedy; samples 1.. are drawn at ``temperature`` / ``top_p``. Each batch is
+    Sample 0 is greedy (unless ``greedy`` is False); samples 1.. are drawn at
+    ``temperature`` / ``top_p``. Each batch is
     seeded from (seed, its first key), so a resumed run draws what a straight run would.
     Returns what this call wrote: ``{"responses", "tokens", "seconds"}``; ``on_batch`` hears
     the same of each batch once it is on disk (a stage ledger that a kill does not lose).
@@ -72,7 +73,7 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
     jobs = []
     for prompt in prompts:
         ids = encode_prompt(tokenizer, prompt.text)[-max_prompt_tokens:]
-        for sample in range(samples_per_prompt + 1):
+        for sample in range(0 if greedy else 1, samples_per_prompt + 1):
             if (prompt.question_id, sample) not in done:
                 jobs.append((prompt.question_id, sample, ids))
     # Greedy and sampled jobs go in separate batches; similar lengths together cut padding.

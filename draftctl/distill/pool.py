@@ -12,12 +12,19 @@ Sources, all local and all written or generated here:
   summarise, explain or extract from, and questions the target writes about them;
 - ``code``: functions from the Python standard library's sources to explain, document or test;
 - ``translation``: German sentences we wrote; ``math``: word problems we wrote, with numbers
-  drawn at random.
+  drawn at random;
+- ``article``: long prose to summarise or answer questions from (as in Spec-Bench's
+  summarization and rag groups, whose prompts run to about 3,000 characters): the target writes
+  articles, stories and reports on seed topics (sampled: the target's greedy articles mostly
+  loop on a sentence);
+  summarization prompts hold one or two of them, rag prompts two to four as numbered
+  documents with a question about one document's topic.
 
 Candidates are cleaned, exact and near duplicates are removed (TF-IDF cosine over words and
 word pairs), and so is every candidate that is, or nearly is, a prompt of an excluded set
 (draftctl's own prompt set always; Spec-Bench through ``exclude``). Stages resume from ``out``:
-the target's generations are appended batch by batch to ``self_instruct.jsonl``.
+the target's generations are appended batch by batch to ``self_instruct.jsonl`` and
+``articles.jsonl``.
 
 Output: ``pool.jsonl`` (Spec-Bench's format: ``question_id`` from 10,000,000, ``category``,
 ``turns``, plus ``source``) and ``manifest.json`` (recipe, counts, hashes).
@@ -64,6 +71,11 @@ class PoolConfig:
     code: int = 900
     translation: int = 300
     math: int = 600
+    articles: int = 0  # article instructions; each gives one sampled article
+    article_tokens: int = 384  # tokens the target may use to write an article
+    article_min_words: int = 120  # shorter articles are dropped
+    article_summaries: int = 0  # summarization prompts built from the articles
+    article_rag: int = 0  # rag prompts built from the articles
     near_duplicate: float = 0.85  # TF-IDF cosine at or above which two prompts are one
     exclude_similarity: float = 0.8  # ... and at which a prompt is too close to an excluded one
     max_new_tokens: int = 72  # tokens the target may use to write a request
@@ -189,6 +201,53 @@ def generation_requests(seeds: dict, cfg: PoolConfig, rng: random.Random) -> lis
     return [r | {"id": i} for i, r in enumerate(requests)]
 
 
+def article_requests(seeds: dict, cfg: PoolConfig, rng: random.Random) -> list[dict]:
+    """Instructions the target answers with an article: {"id", "topic", "instruction"}."""
+    pairs = zip(_pick(rng, seeds["article_instructions"], cfg.articles),
+                _pick(rng, _topics(seeds), cfg.articles))
+    return [{"id": i, "topic": topic, "instruction": template.format(topic=topic)}
+            for i, (template, topic) in enumerate(pairs)]
+
+
+def clean_article(text: str, min_words: int = 120) -> str | None:
+    """A generated article without a last, unfinished sentence; None if it is short, a
+    refusal, or repeats itself (under half of its word trigrams distinct)."""
+    text = text.strip()
+    end = max(text.rfind(mark) for mark in ".!?")
+    text = text[:end + 1].strip() if end > 0 else text
+    words = text.split()
+    if len(words) < min_words:
+        return None
+    if re.search(r"\b(as an ai|i'm sorry|i cannot|i can't)\b", text, re.IGNORECASE):
+        return None
+    trigrams = list(zip(words, words[1:], words[2:]))
+    if len(set(trigrams)) < 0.5 * len(trigrams):
+        return None
+    return text
+
+
+def article_candidates(articles: list[tuple[str, str]], seeds: dict, cfg: PoolConfig,
+                       rng: random.Random) -> list[dict]:
+    """Summarization and rag prompts over (topic, article) pairs: a summary of one or two
+    articles, or a question about one article's topic asked of two to four documents."""
+    if not articles:
+        return []
+    tasks = seeds["article_tasks"]
+    out = []
+    for template in _pick(rng, tasks["summarization"], cfg.article_summaries):
+        chosen = rng.sample(articles, min(rng.choice((1, 2)), len(articles)))
+        out.append({"category": "summarization", "source": "article",
+                    "text": template.format(text="\n\n".join(text for _, text in chosen))})
+    for template in _pick(rng, tasks["rag"], cfg.article_rag):
+        chosen = rng.sample(articles, min(rng.randint(2, 4), len(articles)))
+        documents = "\n\n".join(f"Document {i}: {text}" for i, (_, text) in
+                                 enumerate(chosen, start=1))
+        question = rng.choice(tasks["questions"]).format(topic=rng.choice(chosen)[0])
+        out.append({"category": "rag", "source": "article",
+                    "text": template.format(text=documents, question=question)})
+    return out
+
+
 _LABEL = re.compile(r"^\s*(question|request|prompt|user|task|q)\s*[:.)-]\s*", re.IGNORECASE)
 
 
@@ -262,6 +321,7 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
     rng = random.Random(cfg.seed)
     candidates = template_candidates(seeds, cfg, rng)
     requests = generation_requests(seeds, cfg, rng)
+    article_jobs = article_requests(seeds, cfg, rng)
 
     generated = out / "self_instruct.jsonl"
     target = load_model(cfg.target, cfg.device, target_dtype(cfg.target, cfg.device, cfg.dtype))
@@ -271,6 +331,15 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
         samples_per_prompt=1, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, batch_size=cfg.batch, max_prompt_tokens=512, seed=cfg.seed,
         eos_ids=target.eos_token_ids, on_batch=ledger(out, "requests"))
+    generated_articles = out / "articles.jsonl"
+    if article_jobs:
+        generate_responses(
+            target.model, target.tokenizer,
+            [Prompt(r["id"], "writing", (r["instruction"],)) for r in article_jobs],
+            generated_articles, samples_per_prompt=1, max_new_tokens=cfg.article_tokens,
+            temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch,
+            max_prompt_tokens=512, seed=cfg.seed, eos_ids=target.eos_token_ids,
+            on_batch=ledger(out, "articles"), greedy=False)
     stages = read_stages(out)
     by_id = {r["id"]: r for r in requests}
     rag_templates = seeds["passage_tasks"]["rag"]
@@ -289,6 +358,18 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
         else:
             source = "self_instruct"
         candidates.append({"category": request["category"], "text": text, "source": source})
+    articles = []
+    if article_jobs:
+        topic_of = {r["id"]: r["topic"] for r in article_jobs}
+        for row in read_responses(generated_articles):
+            text = clean_article(target.tokenizer.decode(row["response_ids"],
+                                                         skip_special_tokens=True),
+                                 cfg.article_min_words)
+            if text is None:
+                rejected += 1
+            else:
+                articles.append((topic_of[row["question_id"]], text))
+    candidates += article_candidates(articles, seeds, cfg, rng)
 
     texts = [c["text"] for c in candidates]
     dup = near_duplicates(texts, cfg.near_duplicate)
@@ -303,7 +384,7 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
     counts = {key: dict(Counter(c[key] for c in kept)) for key in ("source", "category")}
     manifest = {
         "prompts": len(kept), "candidates": len(candidates),
-        "rejected_generations": rejected, "near_duplicates": int(dup.sum()),
+        "rejected_generations": rejected, "articles": len(articles), "near_duplicates": int(dup.sum()),
         "too_close_to_excluded": int((close & ~dup).sum()), "counts": counts,
         "excluded_sets": protected_files, "excluded_prompts": len(protected),
         "pool_sha256": hashlib.sha256(pool_path.read_bytes()).hexdigest(),
