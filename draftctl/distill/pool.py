@@ -15,10 +15,9 @@ Sources, all local and all written or generated here:
   drawn at random;
 - ``article``: long prose to summarise or answer questions from (as in Spec-Bench's
   summarization and rag groups, whose prompts run to about 3,000 characters): the target writes
-  articles, stories and reports on seed topics (sampled: the target's greedy articles mostly
-  loop on a sentence);
-  summarization prompts hold one or two of them, rag prompts two to four as numbered
-  documents with a question about one document's topic.
+  articles, stories and reports on seed topics (sampled: its greedy articles mostly loop on a
+  sentence); summarization prompts hold one or two of them, rag prompts two to four as
+  numbered documents with a question about one document's topic.
 
 Candidates are cleaned, exact and near duplicates are removed (TF-IDF cosine over words and
 word pairs), and so is every candidate that is, or nearly is, a prompt of an excluded set
