@@ -54,8 +54,8 @@ def generate_responses(model, tokenizer, prompts: Sequence[Prompt], path: Path, 
     """Append ``{"question_id", "sample", "prompt_ids", "response_ids"}`` rows to ``path``.
 
     Sample 0 is greedy (unless ``greedy`` is False); samples 1.. are drawn at
-    ``temperature`` / ``top_p``. Each batch is
-    seeded from (seed, its first key), so a resumed run draws what a straight run would.
+    ``temperature`` / ``top_p``. Each batch is seeded from (seed, its first key), so a resumed
+    run draws what a straight run would.
     Returns what this call wrote: ``{"responses", "tokens", "seconds"}``; ``on_batch`` hears
     the same of each batch once it is on disk (a stage ledger that a kill does not lose).
     ``cache`` is transformers' cache for the batch: ``static`` (preallocated, no copy of the

@@ -200,6 +200,9 @@ def generation_requests(seeds: dict, cfg: PoolConfig, rng: random.Random) -> lis
     return [r | {"id": i} for i, r in enumerate(requests)]
 
 
+_REFUSAL = re.compile(r"\b(as an ai|i'm sorry|i cannot|i can't)\b", re.IGNORECASE)
+
+
 def article_requests(seeds: dict, cfg: PoolConfig, rng: random.Random) -> list[dict]:
     """Instructions the target answers with an article: {"id", "topic", "instruction"}."""
     pairs = zip(_pick(rng, seeds["article_instructions"], cfg.articles),
@@ -217,7 +220,7 @@ def clean_article(text: str, min_words: int = 120) -> str | None:
     words = text.split()
     if len(words) < min_words:
         return None
-    if re.search(r"\b(as an ai|i'm sorry|i cannot|i can't)\b", text, re.IGNORECASE):
+    if _REFUSAL.search(text):
         return None
     trigrams = list(zip(words, words[1:], words[2:]))
     if len(set(trigrams)) < 0.5 * len(trigrams):
@@ -258,7 +261,7 @@ def clean_request(text: str) -> str | None:
     words = text.split()
     if not 4 <= len(words) <= 80 or len(text) > 600:
         return None
-    if re.search(r"\b(as an ai|i'm sorry|i cannot|i can't)\b", text, re.IGNORECASE):
+    if _REFUSAL.search(text):
         return None
     return text
 
@@ -383,7 +386,8 @@ def run_pool(cfg: PoolConfig, progress: bool = True) -> dict:
     counts = {key: dict(Counter(c[key] for c in kept)) for key in ("source", "category")}
     manifest = {
         "prompts": len(kept), "candidates": len(candidates),
-        "rejected_generations": rejected, "articles": len(articles), "near_duplicates": int(dup.sum()),
+        "rejected_generations": rejected, "articles": len(articles),
+        "near_duplicates": int(dup.sum()),
         "too_close_to_excluded": int((close & ~dup).sum()), "counts": counts,
         "excluded_sets": protected_files, "excluded_prompts": len(protected),
         "pool_sha256": hashlib.sha256(pool_path.read_bytes()).hexdigest(),
