@@ -1,6 +1,7 @@
 """A tiny distillation end to end: tiny teacher built from a config, a few steps."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,10 @@ def test_distill_writes_a_loadable_lossless_draft(setup):
     assert torch.equal(alone.model.head.weight, draft.model.head.weight)
 
 
-def test_distill_resumes_after_an_interruption(setup, monkeypatch):
+@pytest.mark.parametrize("window", [0, 4])
+def test_distill_resumes_after_an_interruption(setup, monkeypatch, window):
     _, config = setup
+    config.length_window = window
     calls = {"n": 0}
     real_loss = distill_run.distill_loss
 
@@ -212,6 +215,46 @@ def test_the_head_is_sized_by_held_out_coverage_of_the_targets_outputs():
     assert sized["curve"] == {5: 0.5, 10: 1.0, 20: 1.0}
     head = choose_head_ids(rows, 12, always=[96], vocab_size=97)
     assert set(range(10)) | {96} <= set(head.tolist()) and len(head) == 12
+
+
+def test_length_windows_batch_sequences_of_similar_length_and_reach_every_one():
+    """With a window, a batch pads to little more than its sequences' own lengths; every
+    sequence still gets picked, and the draws follow ``random``'s state (kept by checkpoints)."""
+    rng = random.Random(1)
+    lengths = [rng.randrange(20, 1200) for _ in range(400)]
+    by_length = sorted(range(400), key=lambda i: lengths[i])
+
+    def padding(picker, draws=300):
+        """Padded tokens over real tokens in ``draws`` batches, and the batches."""
+        batches = [picker() for _ in range(draws)]
+        padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+        return padded / sum(lengths[i] for b in batches for i in b), batches
+
+    random.seed(0)
+    anywhere, _ = padding(distill_run.batch_picker(lengths, 8, 0))
+    random.seed(0)
+    windowed, batches = padding(distill_run.batch_picker(lengths, 8, 16))
+    assert anywhere > 1.5 and windowed < 1.1
+    for batch in batches:
+        assert len(set(batch)) == 8
+        ranks = sorted(by_length.index(i) for i in batch)
+        assert ranks[-1] - ranks[0] < 16
+    random.seed(0)
+    picker = distill_run.batch_picker(lengths, 8, 16)
+    assert set().union(*(picker() for _ in range(3000))) == set(range(400))
+    random.seed(0)
+    again = distill_run.batch_picker(lengths, 8, 16)
+    assert [again() for _ in range(5)] == batches[:5]
+    few = distill_run.batch_picker(lengths[:3], 8, 16)()  # fewer sequences than a batch
+    assert sorted(few) == [0, 1, 2]
+
+
+def test_a_length_window_smaller_than_a_batch_is_refused(setup):
+    _, config = setup
+    config.length_window = 1
+    with pytest.raises(DraftctlError, match="length_window must be 0 .* at least "
+                                            "batch_sequences"):
+        run_distill(config)
 
 
 def test_a_second_draft_trains_on_another_runs_data_folder(setup):

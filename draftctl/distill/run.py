@@ -92,6 +92,9 @@ class DistillConfig:
     prompt_loss: bool = False  # also learn the teacher's labels on the prompts' positions
     steps: int = 3000
     batch_sequences: int = 4
+    # > 0: each batch is drawn from this many sequences of neighbouring length (around one
+    # picked uniformly), so it pads little; 0: from all sequences, as recipes up to v8 trained
+    length_window: int = 0
     lr: float = 5e-4
     warmup_steps: int = 100
     time_budget_min: float | None = None  # stop training early when reached
@@ -127,6 +130,9 @@ def _check(cfg: DistillConfig) -> None:
     if cfg.train_dtype not in TRAIN_DTYPES:
         raise DraftctlError(f"train_dtype must be one of {', '.join(TRAIN_DTYPES)}, "
                             f"not {cfg.train_dtype!r}")
+    if cfg.length_window and not cfg.batch_sequences <= cfg.length_window:
+        raise DraftctlError(f"length_window must be 0 (off) or at least batch_sequences "
+                            f"({cfg.batch_sequences}), got {cfg.length_window}")
     if cfg.kind == "feature" and not cfg.feature_layers:
         raise DraftctlError("a feature draft reads the target's hidden states: set "
                             "feature_layers (e.g. [3, 15, 28] for a 30-layer target)")
@@ -380,11 +386,11 @@ def run_distill(cfg: DistillConfig) -> dict:
         teacher = {"head_ids": head_ids, **labelled}
         _atomic_save(teacher, teacher_path)
 
-    trainee = _trainee(cfg, target, teacher, eval_rows, data / "teacher")
+    trainee = make_trainee(cfg, target, teacher, eval_rows, data / "teacher")
     if init is not None:  # same kind and shape, checked: every tensor must fit
         trainee.draft.load_state_dict(init.state_dict())
     train_started = time.perf_counter()
-    history, step = _train(cfg, trainee, len(teacher["sequences"]), out)
+    history, step = _train(cfg, trainee, [len(s[0]) for s in teacher["sequences"]], out)
     stages = {**read_stages(data),
               **record_stage(out, "training", {"seconds": time.perf_counter() - train_started})}
     final = trainee.evaluate(trainee.draft)
@@ -497,7 +503,7 @@ def _sha256(path: Path) -> str:
 
 
 @dataclass
-class _Trainee:
+class Trainee:
     """What training needs of a draft kind: the model, the loss of a batch (sequence indices
     -> summed loss, labelled positions), an evaluation ({"agreement": ...}), its learned
     state, and how it is saved and read back."""
@@ -510,8 +516,8 @@ class _Trainee:
     load: Callable[[Path], torch.nn.Module]
 
 
-def _trainee(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: list[dict],
-             parts: Path) -> _Trainee:
+def make_trainee(cfg: DistillConfig, target: LoadedModel, teacher: dict,
+                 eval_rows: list[dict], parts: Path) -> Trainee:
     torch.manual_seed(cfg.seed)
     sequences, ids, probs = teacher["sequences"], teacher["label_ids"], teacher["label_probs"]
     if cfg.kind == "feature":
@@ -521,7 +527,7 @@ def _trainee(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: 
                                     tuple(cfg.feature_layers)).float()
         states = teacher_features(parts, len(sequences))
         embedding = draft.embed.detach()
-        return _Trainee(
+        return Trainee(
             draft,
             lambda batch: feature.training_loss(
                 draft, [(*sequences[i], ids[i], probs[i], states[i]) for i in batch],
@@ -533,7 +539,7 @@ def _trainee(cfg: DistillConfig, target: LoadedModel, teacher: dict, eval_rows: 
             lambda folder: feature.load_feature_draft(folder, embedding))
     draft = from_target(target.model, cfg.n_layers, teacher["head_ids"]).float()
     embedding = draft.model.embed_tokens.weight.detach()
-    return _Trainee(
+    return Trainee(
         draft,
         lambda batch: distill_loss(draft, [(*sequences[i], ids[i], probs[i]) for i in batch]),
         lambda model: {"agreement": agreement(model, eval_rows)},
@@ -564,7 +570,30 @@ def teacher_features(folder: Path, n: int) -> list[torch.Tensor]:
     return features
 
 
-def _train(cfg: DistillConfig, trainee: _Trainee, n: int, out: Path) -> tuple[list, int]:
+def batch_picker(lengths: list[int], size: int, window: int) -> Callable[[], list[int]]:
+    """Draws a training batch of ``size`` sequence indices from ``random`` (whose state the
+    checkpoint keeps). ``window`` 0: any ``size`` sequences. ``window`` > 0: one sequence
+    picked uniformly and ``size - 1`` others from the ``window`` (>= ``size``) sequences
+    nearest to it in length order, so that a batch padded to its longest sequence wastes
+    little."""
+    n = len(lengths)
+    if window <= 0:
+        everything = list(range(n))
+        return lambda: random.sample(everything, min(size, n))
+    by_length = sorted(range(n), key=lambda i: (lengths[i], i))
+    width = min(window, n)
+
+    def pick() -> list[int]:
+        rank = random.randrange(n)
+        start = min(max(0, rank - width // 2), n - width)
+        others = [by_length[r] for r in range(start, start + width) if r != rank]
+        return [by_length[rank], *random.sample(others, min(size, n) - 1)]
+
+    return pick
+
+
+def _train(cfg: DistillConfig, trainee: Trainee, lengths: list[int],
+           out: Path) -> tuple[list, int]:
     draft = trainee.draft
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -583,7 +612,7 @@ def _train(cfg: DistillConfig, trainee: _Trainee, n: int, out: Path) -> tuple[li
         random.seed(cfg.seed)
         draft.eval()
         history.append({"step": 0, **trainee.evaluate(draft)})
-    order = list(range(n))
+    pick = batch_picker(lengths, cfg.batch_sequences, cfg.length_window)
     budget_s = cfg.time_budget_min * 60 if cfg.time_budget_min else math.inf
     bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step")
     draft.train()
@@ -596,7 +625,7 @@ def _train(cfg: DistillConfig, trainee: _Trainee, n: int, out: Path) -> tuple[li
                       "python_rng": random.getstate()}, ckpt)
 
     while step < cfg.steps and spent + (time.time() - mark) < budget_s:
-        batch = random.sample(order, min(cfg.batch_sequences, n))
+        batch = pick()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type=torch.device(cfg.device).type, dtype=torch.bfloat16,
                             enabled=cfg.train_dtype == "bfloat16"):
