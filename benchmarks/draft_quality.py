@@ -56,7 +56,8 @@ def along_output(target, draft, prompt_ids: list[int], output_ids: list[int]) ->
         states = target.model(tokens, output_hidden_states=True).hidden_states
         features = torch.stack([states[k][0] for k in draft.model.feature_layers], dim=1)
         _, logits = draft.model(tokens[:, 1:], features[None, :-1])
-        q_head = torch.softmax(logits[0, start:].float(), -1)
+        # row r reads token r + 1 and the target's state at r, and drafts token r + 2
+        q_head = torch.softmax(logits[0, start - 1:-1].float(), -1)
         beta = torch.minimum(p[:, draft.model.head_ids], q_head).sum()
         return {"hits": [a * n for a in steps], "beta": float(beta), "positions": n}
     q = torch.softmax(draft.model(tokens).logits[0, start:-1, :p.shape[-1]].float(), -1)
