@@ -192,15 +192,17 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(TrainConfig, args.config, {"traces": args.traces, "kind": args.kind,
                                                   "out": args.out, "seed": args.seed,
-                                                  "rule": args.rule,
+                                                  "rule": args.rule, "stop": args.stop,
                                                   "ablation": args.ablation or None})
     report = run_train(cfg)
     s = report["summary"]
     if s is None:
-        print(f"{cfg.kind}: threshold {report['threshold']:.4f} (chosen on dev); no test "
+        print(f"{cfg.kind}: {report['stop']} rule, threshold {report['threshold']:.4f} "
+              "(chosen on dev); no test "
               f"prompts in the traces, so no test replay; model: {cfg.out}")
         return 0
-    print(f"{cfg.kind}: threshold {report['threshold']:.4f} (chosen on dev); test replay: "
+    print(f"{cfg.kind}: {report['stop']} rule, threshold {report['threshold']:.4f} "
+          "(chosen on dev); test replay: "
           f"{s['learned_vs_best_static']:.3f}x best static ({s['best_static']}), "
           f"{s['learned_vs_svip_tuned']:.3f}x SVIP ({s['svip_tuned_on_dev']}); "
           f"report: {cfg.out}/report.md")
@@ -423,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int)
     tr.add_argument("--rule", choices=("auto", "top_prob_1", "entropy", "svip"),
                     help="for --kind threshold: the one feature to threshold (default: auto)")
+    tr.add_argument("--stop", choices=("auto", "token", "path"),
+                    help="stop after a token whose own score is below the threshold (token), "
+                         "once the product of the round's scores is below it (path), or "
+                         "whichever does better on dev (auto, the default)")
     tr.add_argument("--ablation", action="store_true",
                     help="also refit without each feature group in turn (report.md lists them)")
     tr.set_defaults(func=_train)

@@ -132,7 +132,8 @@ def run_demo(job: DemoJob) -> dict:
         onnx_path = out / "controllers" / f"{kind}.onnx"
         export_onnx(folder, onnx_path)
         learned.append(f"onnx:{onnx_path}")
-        trained[kind] = {"threshold": report["threshold"], "onnx": str(onnx_path),
+        trained[kind] = {"threshold": report["threshold"], "stop": report["stop"],
+                         "onnx": str(onnx_path),
                          "dev_replay": report["dev_choices"]}
     choices = report["dev_choices"]
 

@@ -182,3 +182,21 @@ def test_oracle_keeps_exactly_the_reference_tokens():
     oracle.see_token(8)
     assert oracle.decide(rec()) is Action.CONTINUE
     assert oracle.max_draft() == 1
+
+
+@pytest.mark.parametrize("stop, lengths", [("token", [5, 5]), ("path", [3, 3])])
+def test_score_threshold_stop_rules(stop, lengths):
+    """A constant score of 0.8 against 0.6: never below it token by token, but the product
+    0.8 ** 3 = 0.512 is below it at the third token; each round starts a new product."""
+    from draftctl.controllers.learned import ScoreThreshold
+
+    c = ScoreThreshold(lambda x: 0.8, ["entropy"], threshold=0.6, n_max=5, stop=stop)
+    got = [len(run_round(c, [rec(pos=i) for i in range(1, 6)])[0]) for _ in range(2)]
+    assert got == lengths
+
+
+def test_unknown_stop_rule_is_refused():
+    from draftctl.controllers.learned import ScoreThreshold
+
+    with pytest.raises(DraftctlError, match="unknown stop rule 'sum'"):
+        ScoreThreshold(lambda x: 0.8, ["entropy"], threshold=0.6, stop="sum")

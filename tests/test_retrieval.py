@@ -12,7 +12,7 @@ from draftctl.decode.features import FeatureRecord, SequenceState
 from draftctl.decode.tree import accepted_path, tree_pattern
 from draftctl.drafters.retrieval import RetrievalDrafter
 from draftctl.retrieval.datastore import SEPARATOR, Datastore, DatastoreError, write_datastore
-from draftctl.retrieval.features import prune, trie_records, tried_chain
+from draftctl.retrieval.features import depth_first, prune, trie_records, tried_chain
 from draftctl.retrieval.retriever import Candidates, RetrievalConfig, Retriever, build_trie
 from tests.conftest import make_decoder
 from tests.test_models import word_tokenizer
@@ -183,8 +183,10 @@ def test_prune_keeps_stops_and_discards_subtrees():
     keep, calls = prune(records, trie.parents.tolist(), Scripted([Action.DISCARD,
                                                                  Action.CONTINUE]))
     assert keep.tolist() == [False, True, False, False] and calls == 2
-    keep, _ = prune(records, trie.parents.tolist(), Scripted([Action.CONTINUE] * 2
-                                                             + [Action.DISCARD, Action.STOP]))
+    # Depth first: a, its children c and d, then b.
+    ctl = Scripted([Action.CONTINUE, Action.DISCARD, Action.STOP, Action.CONTINUE])
+    keep, _ = prune(records, trie.parents.tolist(), ctl)
+    assert ctl.asked == pytest.approx([0.6, 4 / 6, 1 / 6, 0.2])
     assert keep.tolist() == [True, True, False, True]
     kept = trie.select(keep)
     assert kept.tokens.tolist() == [10, 11, 13] and kept.parents.tolist() == [-1, -1, 0]
@@ -193,3 +195,33 @@ def test_prune_keeps_stops_and_discards_subtrees():
     assert tried_chain([0, 2], trie.parents.tolist()) == [0, 2]
     assert tried_chain([0], trie.parents.tolist()) == [0, 2]  # c was tried and rejected
     assert tried_chain([], trie.parents.tolist()) == [0]
+
+
+def test_depth_first_order_finishes_each_subtree():
+    assert depth_first([-1, -1, 0, 1, 0, 2]) == [0, 2, 5, 4, 1, 3]
+    assert depth_first([]) == []
+
+
+def test_the_path_rule_multiplies_scores_along_each_branch_of_a_tree():
+    """Under a path-rule controller each node's value is the product of the scores from the
+    root to it, whatever was asked before it (asked parents first but breadth first, c would
+    read b's score)."""
+    from draftctl.controllers.learned import ScoreThreshold
+
+    class Spy(ScoreThreshold):
+        def decide(self, record):
+            action = super().decide(record)
+            self.seen.append((self.path[-1], action))
+            return action
+
+    trie = hand_trie()
+    records = trie_records(trie, SequenceState(5))
+    ctl = Spy(lambda x: float(x[0, 0]), ["token_share"], threshold=0.35, stop="path")
+    ctl.seen = []
+    ctl.decide(records[2])  # a stale path from an earlier round must not leak in
+    ctl.seen = []
+    keep, calls = prune(records, trie.parents.tolist(), ctl)
+    values, actions = zip(*ctl.seen)
+    assert values == pytest.approx([0.6, 0.6 * 4 / 6, 0.6 * 1 / 6, 0.2])  # a, c, d, b
+    assert actions == (Action.CONTINUE, Action.CONTINUE, Action.STOP, Action.STOP)
+    assert keep.all() and calls == 4

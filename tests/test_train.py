@@ -59,6 +59,7 @@ def test_train_export_and_decode_with_onnx(pair, traces, tmp_path, kind):  # noq
     decoder = SpeculativeDecoder.from_loaded(target, draft, DecodeConfig(max_new_tokens=24))
     controller = make_controller(f"onnx:{path}")
     assert controller.threshold == pytest.approx(manifest["threshold"])
+    assert controller.stop == manifest["stop"] == meta["draftctl_stop_rule"] == report["stop"]
     for ids in ([5, 6, 7], [30, 2, 44, 9]):
         reference = generate(decoder, ids, make_controller("none")).output_ids
         assert generate(decoder, ids, controller).output_ids == reference
@@ -70,12 +71,25 @@ def test_onnx_model_with_unknown_features_is_refused(pair, traces, tmp_path):  #
     export_onnx(tmp_path / "m", path)
     model = onnx.load(str(path))
     props = {p.key: p.value for p in model.metadata_props}
+    features = props["draftctl_features"]
     props["draftctl_features"] = json.dumps(["entropy", "target_logit_gap"])
     del model.metadata_props[:]
     onnx.helper.set_model_props(model, props)
     onnx.save(model, str(path))
     with pytest.raises(SchemaMismatchError, match="needs feature\\(s\\) target_logit_gap"):
         make_controller(f"onnx:{path}")
+    props["draftctl_features"] = features
+    props["draftctl_stop_rule"] = "sum"
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+    with pytest.raises(DraftctlError, match="stop rule 'sum'"):
+        make_controller(f"onnx:{path}")
+    del props["draftctl_stop_rule"]  # written before the path rule existed
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+    assert make_controller(f"onnx:{path}").stop == "token"
     props["draftctl_schema_version"] = "7"
     del model.metadata_props[:]
     onnx.helper.set_model_props(model, props)
@@ -86,7 +100,7 @@ def test_onnx_model_with_unknown_features_is_refused(pair, traces, tmp_path):  #
 
 def test_engine_exports_of_a_top1_threshold_model(traces, tmp_path, capsys):
     run_train(TrainConfig(traces=str(traces), kind="threshold", rule="top_prob_1",
-                          out=str(tmp_path / "t"), grid=6))
+                          stop="token", out=str(tmp_path / "t"), grid=6))
     threshold = json.loads((tmp_path / "t" / "manifest.json").read_text())["threshold"]
     hf = export_engine(tmp_path / "t", "hf-confidence")
     assert hf["value"] == threshold and "assistant_confidence_threshold=" in hf["usage"]
@@ -101,6 +115,38 @@ def test_engine_export_refuses_other_models(traces, tmp_path):
     run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "l"), grid=4))
     with pytest.raises(DraftctlError, match="--kind threshold --rule top_prob_1"):
         export_engine(tmp_path / "l", "hf-confidence")
+    run_train(TrainConfig(traces=str(traces), kind="threshold", rule="top_prob_1", stop="path",
+                          out=str(tmp_path / "p"), grid=4))
+    with pytest.raises(DraftctlError, match="'path' rule.*--stop token"):
+        export_engine(tmp_path / "p", "hf-confidence")
+
+
+def test_train_chooses_the_stop_rule_on_dev(pair, traces, tmp_path):  # noqa: F811
+    """``stop=auto`` tries both rules on dev and keeps the faster; a forced path rule is what
+    the manifest, the ONNX file and the decoder then use, and decoding stays exact."""
+    auto = run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "a"),
+                                 grid=4))
+    by_stop = auto["dev_by_stop"]
+    assert set(by_stop) == {"token", "path"}
+    assert auto["stop"] == max(by_stop, key=lambda rule: by_stop[rule]["dev_speedup"])
+    assert auto["threshold"] == by_stop[auto["stop"]]["threshold"]
+    assert f"{auto['stop']}, {auto['threshold']:.4f}" in (tmp_path / "a" / "report.md").read_text()
+
+    forced = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="path",
+                                   out=str(tmp_path / "p"), grid=4))
+    assert forced["stop"] == "path" and list(forced["dev_by_stop"]) == ["path"]
+    assert forced["dev_by_stop"]["path"] == by_stop["path"]  # same fit, same grid
+    export_onnx(tmp_path / "p", tmp_path / "p.onnx")
+    controller = make_controller(f"onnx:{tmp_path / 'p.onnx'}")
+    assert controller.stop == "path"
+    target_spec, draft_spec, _ = pair
+    decoder = SpeculativeDecoder.from_loaded(load_model(target_spec, "cpu"),
+                                             load_model(draft_spec, "cpu"),
+                                             DecodeConfig(max_new_tokens=24))
+    reference = generate(decoder, [5, 6, 7], make_controller("none")).output_ids
+    assert generate(decoder, [5, 6, 7], controller).output_ids == reference
+    with pytest.raises(DraftctlError, match="unknown stop rule 'sum'"):
+        TrainConfig(stop="sum")
 
 
 def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811

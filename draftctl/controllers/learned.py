@@ -1,7 +1,10 @@
-"""Controllers driven by a scoring model: stop after a token whose score is below a threshold.
+"""Controllers driven by a scoring model: stop drafting once the scores fall below a threshold.
 
 The score is the model's predicted probability that the token is accepted given that it was
-reached (DISCO-style); the threshold is chosen by modelled speedup, not accuracy.
+reached (DISCO-style); the threshold is chosen by modelled speedup, not accuracy. Two stop
+rules read it: ``token`` (DISCO) stops after a token whose own score is below the threshold;
+``path`` (SpecDec++) stops once the product of the round's scores so far, the modelled chance
+that every token drafted this round is accepted, is below it.
 ``onnx:PATH`` loads an exported model with onnxruntime (one thread, warm-up call) and checks
 its feature schema against the decoder's before any decoding.
 """
@@ -23,21 +26,35 @@ if TYPE_CHECKING:  # the decoder imports controllers; annotations only
     from draftctl.decode.features import FeatureRecord
 
 
+STOP_RULES = ("token", "path")
+
+
 class ScoreThreshold(Controller):
-    """Stop after the token whose score is below ``threshold`` (that token is verified).
+    """Stop after the token at which the ``stop`` rule's value is below ``threshold`` (that
+    token is verified): its own score (``token``) or the product of the scores from the
+    round's first token to it (``path``).
 
     score: maps a (1, n_features) float32 array to the acceptance probability.
     features: names of the model's inputs, in its input order (a subset of FEATURE_NAMES).
+    The path rule finds a token's predecessors by ``draft_pos``, so it needs each token asked
+    after its predecessors and before any other branch (a chain, or a tree walked depth first).
     """
 
     def __init__(self, score: Callable[[np.ndarray], float], features: Sequence[str],
-                 threshold: float, n_max: int = 40):
+                 threshold: float, n_max: int = 40, stop: str = "token"):
         check_features(features)
+        if stop not in STOP_RULES:
+            raise DraftctlError(f"unknown stop rule {stop!r}: use {' or '.join(STOP_RULES)}")
         self.score = score
         self.features = tuple(features)
         self.index = [FEATURE_NAMES.index(f) for f in features]
         self.threshold = threshold
         self.n_max = n_max
+        self.stop = stop
+        self.path: list[float] = []  # products of scores along the current branch, by depth
+
+    def reset(self) -> None:
+        self.path.clear()
 
     def max_draft(self) -> int:
         return self.n_max
@@ -45,7 +62,12 @@ class ScoreThreshold(Controller):
     def decide(self, record: FeatureRecord) -> Action:
         vector = record.to_vector()
         x = np.array([[vector[i] for i in self.index]], dtype=np.float32)
-        return Action.STOP if self.score(x) < self.threshold else Action.CONTINUE
+        value = self.score(x)
+        if self.stop == "path":
+            del self.path[record.draft_pos - 1:]
+            value *= self.path[-1] if self.path else 1.0
+            self.path.append(value)
+        return Action.STOP if value < self.threshold else Action.CONTINUE
 
 
 def check_features(features: Sequence[str], schema_version: int = SCHEMA_VERSION) -> None:
@@ -84,6 +106,10 @@ def onnx_controller(path: str, threshold: float | None = None) -> ScoreThreshold
                 "draftctl_output"):
         if key not in meta:
             raise SchemaMismatchError(f"{path} has no {key} metadata: not a draftctl controller")
+    stop = meta.get("draftctl_stop_rule", "token")  # files written before the path rule
+    if stop not in STOP_RULES:
+        raise DraftctlError(f"{path} asks for stop rule {stop!r}, which this draftctl does not "
+                            f"know ({' or '.join(STOP_RULES)}): upgrade draftctl")
     features = json.loads(meta["draftctl_features"])
     check_features(features, int(meta["draftctl_schema_version"]))
     n_inputs = session.get_inputs()[0].shape[-1]
@@ -100,4 +126,4 @@ def onnx_controller(path: str, threshold: float | None = None) -> ScoreThreshold
 
     score(np.zeros((1, len(features)), dtype=np.float32))  # warm-up
     chosen = float(meta["draftctl_threshold"]) if threshold is None else threshold
-    return ScoreThreshold(score, features, chosen)
+    return ScoreThreshold(score, features, chosen, stop=stop)

@@ -34,7 +34,12 @@ def export_engine(model_dir: str | Path, fmt: str) -> dict:
         rule = model.rule if isinstance(model, ThresholdModel) else manifest["kind"]
         raise DraftctlError(
             f"{model_dir} holds a {rule!r} model; --format {fmt} needs a threshold on the "
-            "draft's top-1 probability: train one with --kind threshold --rule top_prob_1")
+            "draft's top-1 probability: train one with --kind threshold --rule top_prob_1 "
+            "--stop token")
+    if manifest.get("stop", "token") != "token":
+        raise DraftctlError(
+            f"{model_dir} stops on the product of a round's scores ({manifest['stop']!r} rule); "
+            f"--format {fmt} takes one per-token threshold: train with --stop token")
     threshold = float(manifest["threshold"])
     lost = [("draftctl's cap on draft length (the trace's k_probe) is the engine's own "
              "setting (num_assistant_tokens / --draft-max)")]

@@ -3,8 +3,8 @@
 scikit-learn pipelines go through skl2onnx (``zipmap=False``: a plain probability matrix),
 the MLP through ``torch.onnx.export``, threshold rules through a three-node graph. The ONNX
 file carries ``draftctl_features`` (input order), ``draftctl_schema_version``,
-``draftctl_threshold`` and which output holds the acceptance probability; ``onnx:PATH``
-reads them back. Every export is checked against the native model on 1,000 rows.
+``draftctl_threshold``, ``draftctl_stop_rule`` (token or path) and which output holds the
+acceptance probability; ``onnx:PATH`` reads them back. Every export is checked against the native model on 1,000 rows.
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def export_onnx(model_dir: str | Path, out: str | Path) -> dict:
     metadata = {"draftctl_features": json.dumps(manifest["features"]),
                 "draftctl_schema_version": str(manifest["schema_version"]),
                 "draftctl_threshold": repr(float(manifest["threshold"])),
+                "draftctl_stop_rule": manifest.get("stop", "token"),
                 "draftctl_output": output, "draftctl_output_column": str(column),
                 "draftctl_kind": manifest["kind"]}
     onnx.helper.set_model_props(onnx_model, metadata)

@@ -65,9 +65,25 @@ def trie_records(trie: Candidates, state: SequenceState,
     return records
 
 
+def depth_first(parents: Sequence[int]) -> list[int]:
+    """Node indices in depth-first preorder (siblings in index order): each node comes after
+    its parent, and a subtree is finished before its next sibling starts."""
+    children: list[list[int]] = [[] for _ in parents]
+    roots = []
+    for k, parent in enumerate(parents):
+        (children[parent] if parent >= 0 else roots).append(k)
+    order, stack = [], roots[::-1]
+    while stack:
+        k = stack.pop()
+        order.append(k)
+        stack.extend(reversed(children[k]))
+    return order
+
+
 def prune(records: Sequence[FeatureRecord], parents: Sequence[int], controller: Controller,
           eligible: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """Ask ``controller`` about each node, parents first. ``DISCARD`` drops the node and its
+    """Ask ``controller`` about each node, depth first (so a controller that multiplies
+    scores along a branch sees each branch as a chain). ``DISCARD`` drops the node and its
     subtree, ``STOP`` keeps the node but not its children, ``CONTINUE`` keeps it; nodes below
     a dropped or stopped node are not asked, nor are nodes outside ``eligible`` (e.g. below a
     depth cap), which are dropped. Returns (keep mask, decide calls)."""
@@ -75,7 +91,8 @@ def prune(records: Sequence[FeatureRecord], parents: Sequence[int], controller: 
     keep = np.zeros(n, dtype=bool)
     grows = np.zeros(n, dtype=bool)  # may have children
     calls = 0
-    for k, parent in enumerate(parents):
+    for k in depth_first(parents):
+        parent = parents[k]
         if (parent >= 0 and not grows[parent]) or (eligible is not None and not eligible[k]):
             continue
         calls += 1

@@ -14,7 +14,7 @@ import torch
 
 from draftctl.collect.traces import shard_files
 from draftctl.config import save_config
-from draftctl.controllers.learned import ScoreThreshold
+from draftctl.controllers.learned import STOP_RULES, ScoreThreshold
 from draftctl.decode.features import FEATURE_GROUPS, SCHEMA_VERSION
 from draftctl.errors import DraftctlError
 from draftctl.train.data import load_examples
@@ -30,6 +30,9 @@ class TrainConfig:
     seed: int = 0
     grid: int = 24  # candidate thresholds (quantiles of the dev predictions)
     rule: str = "auto"  # threshold kind: top_prob_1, entropy, svip, or auto (best train AUC)
+    # stop rule: token (a token's own score below the threshold), path (the product of the
+    # round's scores so far below it), or auto (whichever gives the higher dev speedup)
+    stop: str = "auto"
     # also refit without each feature group in turn (decode.features.FEATURE_GROUPS), each
     # with its own threshold chosen on dev, and report what dropping it costs on test
     ablation: bool = False
@@ -40,10 +43,14 @@ class TrainConfig:
         if self.rule not in ("auto", *THRESHOLD_RULES):
             raise DraftctlError(f"unknown threshold rule {self.rule!r}: use auto, "
                                 f"{', '.join(THRESHOLD_RULES)}")
+        if self.stop not in ("auto", *STOP_RULES):
+            raise DraftctlError(f"unknown stop rule {self.stop!r}: use auto, "
+                                f"{', '.join(STOP_RULES)}")
 
 
 def learned_controller(model, features, threshold: float, spec: str,
-                       memo: dict[bytes, float] | None = None) -> ScoreThreshold:
+                       memo: dict[bytes, float] | None = None,
+                       stop: str = "token") -> ScoreThreshold:
     """The model behind the stop rule, as replay runs it. ``memo`` caches scores by input
     bytes: replaying a grid of thresholds visits the same trace rows again and again, and
     one-row ``predict`` calls dominate the cost."""
@@ -55,7 +62,7 @@ def learned_controller(model, features, threshold: float, spec: str,
             memo[key] = float(model.predict(x)[0])
         return memo[key]
 
-    controller = ScoreThreshold(score, features, threshold)
+    controller = ScoreThreshold(score, features, threshold, stop=stop)
     controller.spec = spec
     return controller
 
@@ -101,6 +108,7 @@ def run_train(cfg: TrainConfig) -> dict:
     name = f"learned-{cfg.kind}"
     fitted = fit_and_choose(cfg, parts, features, features, traces, dev_ids, name)
     model, threshold, dev_best, memo = fitted.model, fitted.threshold, fitted.dev_best, fitted.memo
+    stop = fitted.stop
     p_dev = model.predict(dev.X)
     svip_spec, _ = best_by_speedup(
         traces, {f"svip:{t:.2f}": f"svip:{t:.2f}" for t in np.arange(0.1, 1.01, 0.05)}, dev_ids)
@@ -113,7 +121,7 @@ def run_train(cfg: TrainConfig) -> dict:
     static_spec, _ = best_by_speedup(traces, dict(zip(statics, statics)), dev_ids)
     dev_choices = {"static": static_spec, "svip": svip_spec, "confidence": conf_spec}
     baselines = [*statics, "heuristic", "confidence", conf_spec, svip_spec, "oracle"]
-    learned = learned_controller(model, features, threshold, name, memo)
+    learned = learned_controller(model, features, threshold, name, memo, stop)
     test_results = replay(traces, [learned, *baselines], test_ids) if test_ids else []
     summary = _test_summary(test_results, name, svip_spec) if test_results else None
     cost = traces.info["cost"]
@@ -122,7 +130,7 @@ def run_train(cfg: TrainConfig) -> dict:
         data_hash.update(path.read_bytes())
     manifest = {
         "kind": cfg.kind, "features": list(features), "schema_version": SCHEMA_VERSION,
-        "threshold": threshold, "rule": "stop after a token whose predicted acceptance < threshold",
+        "threshold": threshold, "stop": stop, "rule": STOP_DESCRIPTIONS[stop],
         # None for retrieval traces: no draft model (lookup times are per round, in the rows)
         "cost_ratio": cost["t_draft_s"] / cost["t_target_s"] if "t_draft_s" in cost else None,
         "traces": str(cfg.traces),
@@ -137,7 +145,8 @@ def run_train(cfg: TrainConfig) -> dict:
     _save_model(model, cfg.kind, features, out)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     report = {"config": asdict(cfg), "summary": summary, "metrics": manifest["metrics"],
-              "threshold": threshold, "dev_choices": dev_choices, "test_replay": test_results}
+              "threshold": threshold, "stop": stop, "dev_by_stop": fitted.by_stop,
+              "dev_choices": dev_choices, "test_replay": test_results}
     if cfg.ablation:
         full = next((r["modelled_speedup"] for r in test_results if r["spec"] == name), None)
         report["ablation"] = ablation(cfg, parts, features, traces, dev_ids, test_ids, full)
@@ -146,22 +155,32 @@ def run_train(cfg: TrainConfig) -> dict:
     return report
 
 
+STOP_DESCRIPTIONS = {
+    "token": "stop after a token whose predicted acceptance < threshold",
+    "path": "stop after the token at which the product of the round's predicted acceptances "
+            "< threshold",
+}
+
+
 @dataclass
 class Fitted:
-    """A model fitted on train prompts with the stop threshold chosen for it on dev."""
+    """A model fitted on train prompts with the stop rule and threshold chosen for it on dev;
+    ``by_stop``: each candidate rule's best threshold and dev modelled speedup."""
 
     model: object
     threshold: float
+    stop: str
     dev_best: dict
     memo: dict
+    by_stop: dict
 
 
 def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
                    columns: tuple[str, ...], traces: TraceSet, dev_ids: set[int],
                    name: str) -> Fitted:
     """Fit ``cfg.kind`` on the train examples' ``features`` (``columns`` names the examples'
-    own columns), then choose its threshold on dev by modelled speedup: the candidates are
-    quantiles of its dev predictions."""
+    own columns), then choose its stop rule (``cfg.stop``) and threshold on dev by modelled
+    speedup: the candidate thresholds are quantiles of its dev predictions, for either rule."""
     index = [columns.index(f) for f in features]
     train, dev = parts["train"], parts["dev"]
     model = fit(cfg.kind, train.X[:, index], train.y, train.prompt_ids, features, cfg.seed,
@@ -169,11 +188,19 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
     p_dev = model.predict(dev.X[:, index])
     grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
     memo: dict[bytes, float] = {}  # one model's scores: never shared between models
-    threshold, dev_best = best_by_speedup(
-        traces, {float(t): learned_controller(model, features, float(t), name, memo)
-                 for t in grid},
-        dev_ids)
-    return Fitted(model, threshold, dev_best, memo)
+    by_stop = {}
+    for stop in STOP_RULES if cfg.stop == "auto" else (cfg.stop,):
+        threshold, best = best_by_speedup(
+            traces, {float(t): learned_controller(model, features, float(t), name, memo, stop)
+                     for t in grid},
+            dev_ids)
+        by_stop[stop] = {"threshold": threshold, "dev_replay": best}
+    stop = max(by_stop, key=lambda rule: by_stop[rule]["dev_replay"]["modelled_speedup"])
+    chosen = by_stop[stop]
+    return Fitted(model, chosen["threshold"], stop, chosen["dev_replay"], memo,
+                  {rule: {"threshold": v["threshold"],
+                          "dev_speedup": v["dev_replay"]["modelled_speedup"]}
+                   for rule, v in by_stop.items()})
 
 
 def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: TraceSet,
@@ -202,9 +229,10 @@ def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: T
         speedup = None
         if test_ids:
             [result] = replay(traces, [learned_controller(fitted.model, kept, fitted.threshold,
-                                                          name, fitted.memo)], test_ids)
+                                                          name, fitted.memo, fitted.stop)],
+                              test_ids)
             speedup = result["modelled_speedup"]
-        row["threshold"], row["test_speedup"] = fitted.threshold, speedup
+        row["threshold"], row["stop"], row["test_speedup"] = fitted.threshold, fitted.stop, speedup
         row["vs_full"] = speedup / full_speedup if speedup and full_speedup else None
         rows.append(row)
     return rows
@@ -254,7 +282,10 @@ def load_model_dir(folder: str | Path):
 def _markdown(report: dict) -> str:
     s, choices = report["summary"], report["dev_choices"]
     lines = [f"# Controller report: {report['config']['kind']}", "",
-             f"Threshold (chosen on dev by modelled speedup): {report['threshold']:.4f}", "",
+             (f"Stop rule and threshold (chosen on dev by modelled speedup): "
+              f"{report['stop']}, {report['threshold']:.4f}"), "",
+             *[f"- {rule} rule: best threshold {v['threshold']:.4f}, dev modelled speedup "
+               f"{v['dev_speedup']:.3f}" for rule, v in report["dev_by_stop"].items()], "",
              (f"Chosen on dev: {choices['static']}, {choices['svip']}, "
               f"{choices['confidence']}"), ""]
     if s is None:
