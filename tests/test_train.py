@@ -65,37 +65,29 @@ def test_train_export_and_decode_with_onnx(pair, traces, tmp_path, kind):  # noq
         assert generate(decoder, ids, controller).output_ids == reference
 
 
+def with_metadata(path, props: dict) -> str:
+    """Rewrite the ONNX file at ``path`` with ``props`` as its metadata; its ``onnx:`` spec."""
+    model = onnx.load(str(path))
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+    return f"onnx:{path}"
+
+
 def test_onnx_model_with_unknown_features_is_refused(pair, traces, tmp_path):  # noqa: F811
     run_train(TrainConfig(traces=str(traces), kind="threshold", out=str(tmp_path / "m"), grid=4))
     path = tmp_path / "m.onnx"
     export_onnx(tmp_path / "m", path)
-    model = onnx.load(str(path))
-    props = {p.key: p.value for p in model.metadata_props}
-    features = props["draftctl_features"]
-    props["draftctl_features"] = json.dumps(["entropy", "target_logit_gap"])
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, props)
-    onnx.save(model, str(path))
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    unknown = json.dumps(["entropy", "target_logit_gap"])
     with pytest.raises(SchemaMismatchError, match="needs feature\\(s\\) target_logit_gap"):
-        make_controller(f"onnx:{path}")
-    props["draftctl_features"] = features
-    props["draftctl_stop_rule"] = "sum"
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, props)
-    onnx.save(model, str(path))
+        make_controller(with_metadata(path, props | {"draftctl_features": unknown}))
     with pytest.raises(DraftctlError, match="stop rule 'sum'"):
-        make_controller(f"onnx:{path}")
-    del props["draftctl_stop_rule"]  # written before the path rule existed
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, props)
-    onnx.save(model, str(path))
-    assert make_controller(f"onnx:{path}").stop == "token"
-    props["draftctl_schema_version"] = "7"
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, props)
-    onnx.save(model, str(path))
+        make_controller(with_metadata(path, props | {"draftctl_stop_rule": "sum"}))
+    del props["draftctl_stop_rule"]  # files written before the path rule existed
+    assert make_controller(with_metadata(path, props)).stop == "token"
     with pytest.raises(SchemaMismatchError, match="schema v7"):
-        make_controller(f"onnx:{path}")
+        make_controller(with_metadata(path, props | {"draftctl_schema_version": "7"}))
 
 
 def test_engine_exports_of_a_top1_threshold_model(traces, tmp_path, capsys):
@@ -180,13 +172,10 @@ def test_a_v3_controller_refuses_v2_traces_with_the_schema_error(pair, traces, t
     with pytest.raises(SchemaMismatchError, match="feature schema v2"):
         run_train(TrainConfig(traces=str(old), kind="logreg", out=str(tmp_path / "x"), grid=4))
     assert replay(traces, [f"onnx:{tmp_path / 'v3.onnx'}"])[0]["tokens"] > 0
-    model = onnx.load(str(tmp_path / "v3.onnx"))
-    props = {p.key: p.value for p in model.metadata_props} | {"draftctl_schema_version": "2"}
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, props)
-    onnx.save(model, str(tmp_path / "v2.onnx"))
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "v3.onnx")).metadata_props}
     with pytest.raises(SchemaMismatchError, match="trained on feature schema v2"):
-        make_controller(f"onnx:{tmp_path / 'v2.onnx'}")
+        make_controller(with_metadata(tmp_path / "v3.onnx",
+                                      props | {"draftctl_schema_version": "2"}))
 
 
 def test_the_ablation_report_lists_every_feature_group(traces, tmp_path):
