@@ -4,7 +4,8 @@ scikit-learn pipelines go through skl2onnx (``zipmap=False``: a plain probabilit
 the MLP through ``torch.onnx.export``, threshold rules through a three-node graph. The ONNX
 file carries ``draftctl_features`` (input order), ``draftctl_schema_version``,
 ``draftctl_threshold``, ``draftctl_stop_rule`` (token or path) and which output holds the
-acceptance probability; ``onnx:PATH`` reads them back. Every export is checked against the native model on 1,000 rows.
+acceptance probability; ``onnx:PATH`` reads them back. Every export is checked against the
+native model on 1,000 rows.
 """
 
 from __future__ import annotations
