@@ -46,7 +46,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     job = quick_demo() if args.quick else DemoJob()
     for key in ("prompts", "draft", "drafter", "collect_per_category", "bench_per_category",
-                "max_new_tokens", "device", "out"):
+                "bench_repeats", "max_new_tokens", "device", "out"):
         if getattr(args, key) is not None:
             setattr(job, key, getattr(args, key))
     summary = run_demo(job)
@@ -128,7 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     keys = ("prompts", "split", "limit", "per_category", "target", "draft", "drafter",
             "pass_shape", "profile", "max_new_tokens", "max_draft", "temperature", "top_k",
-            "top_p", "seed", "device", "dtype", "engine", "out")
+            "top_p", "seed", "device", "dtype", "engine", "repeats", "out")
     overrides = {k: getattr(args, k) for k in keys}
     if args.controllers is not None:
         overrides["controllers"] = [args.controllers]
@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="train+dev prompts per category to collect traces on (default 12)")
     demo.add_argument("--bench-per-category", type=int,
                       help="test prompts per category to bench on (default 3)")
+    demo.add_argument("--bench-repeats", type=int,
+                      help="timed passes over each test prompt; a run's time is its fastest "
+                           "pass (default 2)")
     demo.add_argument("--max-new-tokens", type=int)
     demo.add_argument("--device")
     demo.add_argument("--out", help="output folder (default runs/demo)")
@@ -377,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draftctl (default): draftctl's decoder; hf: transformers' generate() "
                          "with AR, its own schedules (hf:constant:K, hf:heuristic[:K0], "
                          "hf:confidence[:T]) and draftctl controllers")
+    be.add_argument("--repeats", type=int,
+                    help="timed passes over each prompt, each in another rotated order; a "
+                         "run's time is its fastest pass (default 1)")
     be.add_argument("--no-plots", action="store_true")
     be.add_argument("--out", help="output folder (default runs/bench)")
     be.set_defaults(func=_bench)

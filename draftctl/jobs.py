@@ -82,6 +82,8 @@ class DemoJob:
     collect_limit: int | None = None
     bench_per_category: int | None = 3
     bench_limit: int | None = None
+    # timed passes over each test prompt; a run's time is its fastest (``BenchConfig.repeats``)
+    bench_repeats: int = 2
     max_new_tokens: int = 96
     k_probe: int = 8
     kinds: list[str] = field(default_factory=lambda: ["logreg", "mlp"])
@@ -144,7 +146,7 @@ def run_demo(job: DemoJob) -> dict:
         prompts=job.prompts, split="test", limit=job.bench_limit,
         per_category=job.bench_per_category, controllers=controllers, target=job.target,
         draft=job.draft, drafter=job.drafter, max_new_tokens=job.max_new_tokens,
-        max_draft=job.k_probe, seed=job.seed,
+        max_draft=job.k_probe, seed=job.seed, repeats=job.bench_repeats,
         device=job.device, out=str(out / "bench")))
     _stage(stages, stages, "done")
     summary = {"bench": bench, "dev_choices": choices, "trained": trained,

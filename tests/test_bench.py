@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from draftctl.bench.report import mismatch_notice
-from draftctl.bench.run import BenchConfig, run_bench
+from draftctl.bench import run as bench_run
+from draftctl.bench.report import mismatch_notice, setup_line
+from draftctl.bench.run import BenchConfig, Run, keep_fastest, run_bench
 from draftctl.cli import main
 from draftctl.collect.run import CollectConfig, run_collect
 from draftctl.collect.traces import read_traces
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate, loop, verify
+from draftctl.decode.loop import GenerationResult
 from draftctl.errors import DraftctlError
 from draftctl.export.onnx import export_onnx
 from draftctl.models import encode_prompt, load_model
@@ -94,6 +96,57 @@ def test_only_draftctls_chain_decoder_fails_a_bench_on_differing_outputs():
     assert mismatch_notice({"mismatches": 0, "tree_mismatches": 0}) == ([], False)
 
 
+def test_repeated_passes_keep_each_runs_fastest(pair, tmp_path, monkeypatch):  # noqa: F811
+    """``--repeats 2``: every prompt is decoded twice by every spec, in another order; the
+    report counts each prompt once per spec, with the time of its faster pass."""
+    calls = []
+    timed = bench_run._run
+
+    def recording(decoder, tokenizer, prompt, ids, spec, *args, **kwargs):
+        run = timed(decoder, tokenizer, prompt, ids, spec, *args, **kwargs)
+        calls.append(run)
+        return run
+
+    monkeypatch.setattr(bench_run, "_run", recording)
+    out = tmp_path / "twice"
+    assert main(bench_args(pair, out, "--controllers", "static:2,svip:0.5", "--repeats", "2",
+                           "--no-plots")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["prompts"] == 4 and report["mismatches"] == 0
+    specs = ["none", "static:2", "svip:0.5", "ar-fastest"]
+    assert len(calls) == 2 * 4 * len(specs)
+    for spec in specs:
+        mine = [c for c in calls if c.spec == spec]
+        best = sum(min(c.result.wall_s for c in mine if c.question_id == q)
+                   for q in {c.question_id for c in mine})
+        row = report["ar"] if spec == "none" else report["ar_fastest"] \
+            if spec == "ar-fastest" else next(r for r in report["controllers"]
+                                              if r["spec"] == spec)
+        assert row["wall_s"] == pytest.approx(best), spec
+    firsts = [[c.spec for c in calls[i:i + len(specs)]] for i in range(0, len(calls),
+                                                                        len(specs))]
+    assert firsts[0][1:] != firsts[1][1:]  # the second pass runs the specs in another order
+    lines = (out / "answers" / "static-2.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["question_id"] for x in lines) == sorted(
+        {c.question_id for c in calls})
+    assert "fastest of 2 interleaved passes" in setup_line(report)
+
+
+def test_the_fastest_pass_keeps_a_mismatch_from_any_pass():
+    def run(spec, wall, mismatch):
+        result = GenerationResult(prompt_ids=[1], output_ids=[2], rounds=[], wall_s=wall,
+                                  target_forwards=1, draft_forwards=0, stop_reason="eos")
+        return Run(spec, 7, "qa", result, "x", mismatch)
+
+    best = {}
+    keep_fastest(best, [run("static:2", 2.0, True), run("svip", 1.0, False),
+                        run("sampled", 3.0, None)])
+    keep_fastest(best, [run("static:2", 1.5, False), run("svip", 1.2, False),
+                        run("sampled", 2.5, None)])
+    assert {s: (r.result.wall_s, r.mismatch) for s, r in best.items()} == {
+        "static:2": (1.5, True), "svip": (1.0, False), "sampled": (2.5, None)}
+
+
 def test_bench_refuses_bad_requests(pair, tmp_path):  # noqa: F811
     target, draft, prompts = pair
     base = {"target": target, "draft": draft, "prompts": prompts, "split": "all",
@@ -106,6 +159,8 @@ def test_bench_refuses_bad_requests(pair, tmp_path):  # noqa: F811
         run_bench(BenchConfig(**base, controllers=["static:2@"]))
     with pytest.raises(Exception, match="unknown drafter 'ngram'"):
         run_bench(BenchConfig(**base, controllers=["static:2@ngram"]))
+    with pytest.raises(DraftctlError, match="repeats must be at least 1, got 0"):
+        run_bench(BenchConfig(**base, controllers=["static:2"], repeats=0))
 
 
 def test_bench_and_decode_with_a_rest_datastore(pair, tmp_path, capsys):  # noqa: F811
@@ -262,9 +317,12 @@ def test_bench_engine_hf_runs_transformers_schedules_and_draftctl_controllers(
     assert all(r["mismatches"] == 0 for r in rows)
     sampled = tmp_path / "hf-t1"
     assert main(bench_args(pair, sampled, "--engine", "hf", "--controllers", "hf:constant:2,"
-                           "static:2", "--temperature", "1", "--no-plots")) == 0
+                           "static:2", "--temperature", "1", "--repeats", "2",
+                           "--no-plots")) == 0
     report = json.loads((sampled / "report.json").read_text())
     assert report["mismatches"] is None and not report["greedy"]
+    assert report["prompts"] == 4 and report["config"]["repeats"] == 2
+    assert len((sampled / "answers" / "static-2.jsonl").read_text().splitlines()) == 4
     base = {"target": target, "draft": draft, "prompts": prompts, "split": "all",
             "device": "cpu", "engine": "hf", "out": str(tmp_path / "x")}
     with pytest.raises(DraftctlError, match="oracle needs the reference output"):

@@ -6,10 +6,10 @@ Plain ``generate()`` (AR), transformers' own schedules (``hf:constant:K``,
 name a draft of its own (``hf:heuristic@DRAFT``) or, for a draftctl controller, mix a feature
 draft with context lookup (``svip@model+lookup``: ``--draft`` if given, else the target's
 shipped feature draft). Each prompt is run by all of them in a rotated order after an untimed
-warm-up, as ``draftctl bench`` does. Verification is transformers' own in every run; the
-passes are transformers' (unpadded), so greedy outputs are compared with plain ``generate()``,
-not with draftctl's bit-exact shapes. Under sampling every run of a prompt starts from the
-same seed."""
+warm-up, ``repeats`` times with each run's fastest pass kept, as ``draftctl bench`` does.
+Verification is transformers' own in every run; the passes are transformers' (unpadded), so
+greedy outputs are compared with plain ``generate()``, not with draftctl's bit-exact shapes.
+Under sampling every run of a prompt starts from the same seed."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from draftctl import hf
-from draftctl.bench.run import BenchConfig, Run, build_report, write_report
+from draftctl.bench.run import BenchConfig, Run, build_report, keep_fastest, rotated, write_report
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.decode.loop import GenerationResult
@@ -143,24 +143,23 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
             decode(spec, ids, cfg.seed, max_new=2)
 
     runs: list[Run] = []
-    bar = tqdm(total=len(prompts) * (len(specs) + 1), desc="bench hf", unit="run",
-               disable=not progress)
+    bar = tqdm(total=len(prompts) * (len(specs) + 1) * cfg.repeats, desc="bench hf",
+               unit="run", disable=not progress)
     for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
-        seed = cfg.seed + i
-        order = ["none", *specs]
-        order = order[i % len(order):] + order[:i % len(order)]  # rotate: noise hits all alike
-        results = {}
-        for spec in order:
-            output, rounds, wall = decode(spec, ids, seed)
-            results[spec] = _result(ids, output, rounds, wall, eos)
-            bar.update()
-        reference = results["none"].output_ids
-        for spec in ["none", *specs]:
-            result = results[spec]
-            mismatch = (result.output_ids != reference) if greedy and spec != "none" else None
-            runs.append(Run(spec, prompt.question_id, prompt.task, result,
-                            target.tokenizer.decode(result.output_ids, skip_special_tokens=True),
-                            mismatch))
+        seed, best = cfg.seed + i, {}
+        for p in range(cfg.repeats):
+            results = {}
+            for spec in rotated(["none", *specs], i * cfg.repeats + p):
+                output, rounds, wall = decode(spec, ids, seed)
+                results[spec] = _result(ids, output, rounds, wall, eos)
+                bar.update()
+            reference = results["none"].output_ids
+            keep_fastest(best, [Run(
+                spec, prompt.question_id, prompt.task, results[spec],
+                target.tokenizer.decode(results[spec].output_ids, skip_special_tokens=True),
+                (results[spec].output_ids != reference) if greedy and spec != "none" else None)
+                for spec in ["none", *specs]])
+        runs.extend(best.values())
     bar.close()
 
     report = build_report(cfg, specs, runs, draft_spec, None, setup)  # every draft: a chain

@@ -41,6 +41,9 @@ def setup_line(report: dict) -> str:
     if fast:
         line += (f"; 'vs fast': the fastest plain decoding ({fast.get('dtype', '?')}, "
                  f"{fast.get('pass_shape', '?')})")
+    repeats = report.get("config", {}).get("repeats", 1)
+    if repeats > 1:
+        line += f". Each time is the fastest of {repeats} interleaved passes"
     return line + "."
 
 
