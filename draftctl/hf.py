@@ -146,6 +146,7 @@ class FeatureCandidateGenerator(CandidateGenerator):
             int(torch.randint(2 ** 62, ())))
         self.records: list[FeatureRecord] = []
         self.raw_probs: list[torch.Tensor] = []
+        self.controller_s = 0.0  # the round's seconds inside the controller
         self.state: SequenceState | None = None
         self.prefilled = False
         controller.reset()
@@ -160,7 +161,7 @@ class FeatureCandidateGenerator(CandidateGenerator):
                        is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
         from draftctl.decode.features import records_from_stats
 
-        self.records, self.raw_probs = [], []
+        self.records, self.raw_probs, self.controller_s = [], [], 0.0
         if is_first_iteration:
             return input_ids, None
         seen = input_ids.shape[1] - 1  # the target has seen all but the newest token
@@ -173,6 +174,7 @@ class FeatureCandidateGenerator(CandidateGenerator):
                      self.max_length - input_ids.shape[1] - 1)
         draft = self.drafter.propose(input_ids[0].to(self.drafter.device), budget,
                                      self.controller, self.state, self.generator)
+        self.controller_s = draft.controller_s
         if not len(draft.tokens):
             return input_ids, None
         self.records = draft.records if draft.records is not None else records_from_stats(
@@ -223,9 +225,10 @@ class _AskController(StoppingCriteria):
         probs = torch.softmax(self.logits.logits[:gen.vocab_size].float(), dim=-1)[None]
         token = input_ids[0, -1:]
         stat = draft_stats(probs, token, token, gen.token_classes)
-        action, record, _ = ask_controller(gen.controller, stat, depth,
-                                           gen.records[-1] if gen.records else None, gen.state,
-                                           token)
+        action, record, seconds = ask_controller(gen.controller, stat, depth,
+                                                 gen.records[-1] if gen.records else None,
+                                                 gen.state, token)
+        gen.controller_s += seconds
         if not gen.controller.reads_features:
             action = Action.CONTINUE
         if action is Action.DISCARD:
@@ -253,6 +256,7 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
         self.token_classes = token_classes
         self.records: list[FeatureRecord] = []
         self.raw_probs: list[torch.Tensor] = []  # (V,) temperature-1 draft softmax per token
+        self.controller_s = 0.0  # the round's seconds inside the controller
         self.state: SequenceState | None = None
         controller.reset()
 
@@ -264,7 +268,7 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
         if self.state is None:
             self.state = SequenceState(input_ids.shape[1])
-        self.records, self.raw_probs = [], []
+        self.records, self.raw_probs, self.controller_s = [], [], 0.0
         self.num_assistant_tokens = min(self.controller.max_draft(), self.max_draft)
         return super().get_candidates(input_ids, **kwargs)
 
@@ -344,7 +348,8 @@ class RoundRecorder:
             n_accepted=int(num_matches), accept_prob=accept.tolist(), beta=beta,
             target_argmax=argmax.tolist(), new_tokens=input_ids[0, length:].tolist(),
             discarded=0, draft_forwards=k, draft_time_s=draft_s, verify_time_s=verify_s,
-            controller_time_s=0.0, controller_calls=len(records)))
+            controller_time_s=getattr(self.inner, "controller_s", 0.0),
+            controller_calls=len(records)))
         self.inner.update_candidate_strategy(input_ids, scores, num_matches)
 
 
