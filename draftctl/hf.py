@@ -41,6 +41,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from draftctl.controllers import make_controller
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.features import (
+    STATS,
     FeatureRecord,
     SequenceState,
     draft_stats,
@@ -222,9 +223,12 @@ class _AskController(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         gen = self.generator
         depth = input_ids.shape[1] - self.start
-        probs = torch.softmax(self.logits.logits[:gen.vocab_size].float(), dim=-1)[None]
         token = input_ids[0, -1:]
-        stat = draft_stats(probs, token, token, gen.token_classes)
+        if gen.features:
+            probs = torch.softmax(self.logits.logits[:gen.vocab_size].float(), dim=-1)[None]
+            stat = draft_stats(probs, token, token, gen.token_classes)
+        else:  # a record that only counts: the controller reads no features, nobody traces
+            probs, stat = None, torch.zeros((1, STATS))
         action, record, seconds = ask_controller(gen.controller, stat, depth,
                                                  gen.records[-1] if gen.records else None,
                                                  gen.state, token)
@@ -235,17 +239,21 @@ class _AskController(StoppingCriteria):
             self.discard = True
         else:
             gen.records.append(record)
-            gen.raw_probs.append(probs[0])
+            if probs is not None:
+                gen.raw_probs.append(probs[0])
         stop = action is not Action.CONTINUE
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 class ControlledCandidateGenerator(AssistedCandidateGenerator):
     """transformers' assistant-model candidate generator with a draftctl controller choosing
-    each round's draft length token by token (instead of ``num_assistant_tokens`` schedules)."""
+    each round's draft length token by token (instead of ``num_assistant_tokens`` schedules).
+    ``features``: build every drafted token's feature record (traces want them); without it
+    they are built only for a controller that reads features, saving a softmax over the
+    vocabulary per drafted token and one per round."""
 
     def __init__(self, *args, controller: Controller, vocab_size: int, max_draft: int,
-                 token_classes: torch.Tensor | None = None, **kwargs):
+                 token_classes: torch.Tensor | None = None, features: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         # transformers' own rule (stop below a confidence threshold, 0.4 by default) would end
         # drafts the controller asked to go on with; 0 turns it off (None means "default")
@@ -257,6 +265,7 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
         self.records: list[FeatureRecord] = []
         self.raw_probs: list[torch.Tensor] = []  # (V,) temperature-1 draft softmax per token
         self.controller_s = 0.0  # the round's seconds inside the controller
+        self.features = features or controller.reads_features
         self.state: SequenceState | None = None
         controller.reset()
 
@@ -290,7 +299,7 @@ class ControlledCandidateGenerator(AssistedCandidateGenerator):
         self.controller.observe(self.records, accepted)
         self.state = self.state.after_round(
             input_ids.shape[1], len(self.records), accepted,
-            float(entropy(scores[0, accepted, :self.vocab_size])))
+            float(entropy(scores[0, accepted, :self.vocab_size])) if self.features else 0.0)
 
 
 class RoundRecorder:
@@ -406,14 +415,18 @@ class HFRun:
 
 def run(model, input_ids: torch.Tensor, assistant_model,
         controller: str | Controller | None = "svip", max_draft: int = MAX_DRAFT,
-        lookup: str | None = None, beta: bool = True, **generate_kwargs) -> HFRun:
+        lookup: str | None = None, beta: bool = True, features: bool = True,
+        **generate_kwargs) -> HFRun:
     """``model.generate(input_ids, assistant_model=..., **generate_kwargs)``, recording every
     round (``beta``: with each token's ``sum_v min(p, q)``, see ``RoundRecorder``).
     ``controller``: a draftctl spec or ``Controller`` deciding each round's draft
     length; one of transformers' own schedules (``hf:...``, see ``own_schedule``; with
     ``hf:lookup`` the assistant is not used); or None: transformers' schedule as the
     assistant's generation config sets it. ``lookup``: ``model+lookup[,key=value...]`` mixes
-    a feature draft's distribution with context lookup (``draftctl.drafters.lookup``). A
+    a feature draft's distribution with context lookup (``draftctl.drafters.lookup``).
+    ``features``: give every round's records their draft features (traces need them);
+    without it an assistant model's rounds carry them only for a controller that reads
+    features (see ``ControlledCandidateGenerator``). A
     ``tokenizer`` in ``generate_kwargs`` (generate() takes one) gives the records their token
     classes."""
     check_transformers()
@@ -466,7 +479,7 @@ def run(model, input_ids: torch.Tensor, assistant_model,
             inner = ControlledCandidateGenerator(
                 input_ids, assistant_model, generation_config, model_kwargs, inputs_tensor,
                 logits_processor, controller=controller, vocab_size=target_vocab,
-                max_draft=max_draft, token_classes=classes)
+                max_draft=max_draft, token_classes=classes, features=features)
         recorders.append(RoundRecorder(inner, target_vocab, greedy=not do_sample, beta=beta))
         return recorders[-1]
 
@@ -551,7 +564,7 @@ def generate(model, input_ids: torch.Tensor, assistant_model, controller: str | 
     decoding settings and the models. lookup: ``model+lookup[,key=value...]`` mixes a feature
     draft's distribution with context lookup (see ``run``)."""
     result = run(model, input_ids, assistant_model, controller, max_draft, lookup,
-                 beta=trace_to is not None, **generate_kwargs)
+                 beta=trace_to is not None, features=trace_to is not None, **generate_kwargs)
     if trace_to is not None:
         spec = controller if isinstance(controller, str) else controller.spec or repr(controller)
         write_traces(Path(trace_to), result.rounds, model, as_assistant(assistant_model), spec,

@@ -69,6 +69,24 @@ def test_the_controller_sets_every_rounds_draft_length(pair):
     assert len({d for d, _ in entropy.rounds}) > 1
 
 
+def test_rounds_without_features_draft_alike_and_skip_the_distribution(pair):
+    """``features=False`` (timed runs, ``generate()`` without traces): a controller that reads
+    no features drafts the same rounds from records that only count; one that reads features
+    still gets them."""
+    target, draft = pair
+    runs = {features: hf.run(target, PROMPT, draft, controller="heuristic", max_new_tokens=30,
+                             do_sample=False, features=features) for features in (True, False)}
+    assert torch.equal(runs[True].output, runs[False].output)
+    assert [len(r.draft_tokens) for r in runs[True].rounds] == \
+        [len(r.draft_tokens) for r in runs[False].rounds]
+    assert len({len(r.draft_tokens) for r in runs[False].rounds}) > 1  # the heuristic adapts
+    assert any(f.entropy > 0 for r in runs[True].rounds for f in r.features)
+    assert all(f.entropy == 0 and f.draft_pos > 0 for r in runs[False].rounds for f in r.features)
+    svip = hf.run(target, PROMPT, draft, controller="svip:0.9", max_new_tokens=30,
+                  do_sample=False, features=False)
+    assert all(f.entropy > 0 for r in svip.rounds for f in r.features)
+
+
 def test_sampling_with_a_seed_runs_and_repeats(pair):
     target, draft = pair
     outs = []

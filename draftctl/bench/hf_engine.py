@@ -132,7 +132,7 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
             return output, [], time.perf_counter() - start
         result = hf.run(target.model, tensor, drafts[drafter_of[spec]].model,
                         controller=split_drafter(spec)[0], max_draft=cfg.max_draft,
-                        lookup=lookup_of.get(spec), beta=False,
+                        lookup=lookup_of.get(spec), beta=False, features=False,
                         attention_mask=torch.ones_like(tensor), **call)
         return result.output, result.rounds, result.wall_s
 
