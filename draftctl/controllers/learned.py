@@ -26,7 +26,12 @@ if TYPE_CHECKING:  # the decoder imports controllers; annotations only
     from draftctl.decode.features import FeatureRecord
 
 
-STOP_RULES = ("token", "path")
+# each stop rule, as the manifest of a model trained with it describes it
+STOP_RULES = {
+    "token": "stop after a token whose predicted acceptance < threshold",
+    "path": "stop after the token at which the product of the round's predicted acceptances "
+            "< threshold",
+}
 
 
 class ScoreThreshold(Controller):

@@ -130,7 +130,7 @@ def run_train(cfg: TrainConfig) -> dict:
         data_hash.update(path.read_bytes())
     manifest = {
         "kind": cfg.kind, "features": list(features), "schema_version": SCHEMA_VERSION,
-        "threshold": threshold, "stop": stop, "rule": STOP_DESCRIPTIONS[stop],
+        "threshold": threshold, "stop": stop, "rule": STOP_RULES[stop],
         # None for retrieval traces: no draft model (lookup times are per round, in the rows)
         "cost_ratio": cost["t_draft_s"] / cost["t_target_s"] if "t_draft_s" in cost else None,
         "traces": str(cfg.traces),
@@ -153,13 +153,6 @@ def run_train(cfg: TrainConfig) -> dict:
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report))
     return report
-
-
-STOP_DESCRIPTIONS = {
-    "token": "stop after a token whose predicted acceptance < threshold",
-    "path": "stop after the token at which the product of the round's predicted acceptances "
-            "< threshold",
-}
 
 
 @dataclass
