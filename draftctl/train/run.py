@@ -181,19 +181,16 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
     p_dev = model.predict(dev.X[:, index])
     grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
     memo: dict[bytes, float] = {}  # one model's scores: never shared between models
-    by_stop = {}
+    by_stop, best = {}, {}
     for stop in STOP_RULES if cfg.stop == "auto" else (cfg.stop,):
-        threshold, best = best_by_speedup(
+        threshold, best[stop] = best_by_speedup(
             traces, {float(t): learned_controller(model, features, float(t), name, memo, stop)
                      for t in grid},
             dev_ids)
-        by_stop[stop] = {"threshold": threshold, "dev_replay": best}
-    stop = max(by_stop, key=lambda rule: by_stop[rule]["dev_replay"]["modelled_speedup"])
-    chosen = by_stop[stop]
-    return Fitted(model, chosen["threshold"], stop, chosen["dev_replay"], memo,
-                  {rule: {"threshold": v["threshold"],
-                          "dev_speedup": v["dev_replay"]["modelled_speedup"]}
-                   for rule, v in by_stop.items()})
+        by_stop[stop] = {"threshold": threshold,
+                         "dev_speedup": best[stop]["modelled_speedup"]}
+    stop = max(by_stop, key=lambda rule: by_stop[rule]["dev_speedup"])
+    return Fitted(model, by_stop[stop]["threshold"], stop, best[stop], memo, by_stop)
 
 
 def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: TraceSet,
