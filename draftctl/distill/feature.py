@@ -25,10 +25,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -36,7 +34,11 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from draftctl.distill.model import DraftFileError, _dequantize, write_draft_folder
+from draftctl.distill.model import (
+    fill_weights,
+    read_saved_draft,
+    write_draft_folder,
+)
 
 FORMAT = "draftctl-feature-draft/1"
 
@@ -241,25 +243,7 @@ def is_feature_draft(folder: str | Path) -> bool:
 
 def load_feature_draft(folder: str | Path, embedding: torch.Tensor) -> FeatureDraftLM:
     """Rebuild a saved feature draft over the target's embedding (V, H)."""
-    folder = Path(folder)
-    saved = json.loads((folder / "config.json").read_text())
-    layers = dict(saved["layers"])
-    config = AutoConfig.for_model(layers.pop("model_type"), **layers)
-    weights = folder / "model.safetensors"
-    try:
-        stored = load_file(str(weights))
-    except (OSError, SafetensorError) as err:
-        raise DraftFileError(f"draft weights {weights} are missing or corrupt: {err}") from None
-    if tuple(embedding.shape) != (config.vocab_size, config.hidden_size):
-        raise DraftFileError(
-            f"draft {folder} expects a target embedding of shape "
-            f"({config.vocab_size}, {config.hidden_size}), got {tuple(embedding.shape)}")
-    state = _dequantize({k: v for k, v in stored.items() if k != "head_ids"})
-    draft = FeatureDraftLM(config, embedding, stored["head_ids"], state["norm.weight"],
+    saved, config, head_ids, state = read_saved_draft(folder, embedding)
+    draft = FeatureDraftLM(config, embedding, head_ids, state["norm.weight"],
                            tuple(saved["feature_layers"]))
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    missing = [m for m in missing if m != "embed"]
-    if missing or unexpected:
-        raise DraftFileError(f"draft weights {weights} do not fit its config: missing "
-                             f"{missing[:3]}, unexpected {unexpected[:3]}")
-    return draft.eval()
+    return fill_weights(draft, state, folder, "embed")

@@ -165,10 +165,13 @@ def read_draft_config(folder: str | Path) -> dict:
         raise DraftFileError(f"cannot read draft config {folder / 'config.json'}: {err}") from None
 
 
-def load_draft(folder: str | Path, embedding: torch.Tensor) -> DraftLM:
-    """Rebuild a saved draft over the target's embedding (V, hidden)."""
+def read_saved_draft(folder: str | Path, embedding: torch.Tensor
+                     ) -> tuple[dict, PretrainedConfig, torch.Tensor, dict[str, torch.Tensor]]:
+    """A saved draft's ``config.json``, its layers' transformers config, its head ids and its
+    dequantized weights, checked against the target's embedding (V, hidden)."""
     folder = Path(folder)
-    layers = dict(read_draft_config(folder)["layers"])
+    saved = read_draft_config(folder)
+    layers = dict(saved["layers"])
     config = AutoConfig.for_model(layers.pop("model_type"), **layers)
     weights = folder / "model.safetensors"
     try:
@@ -181,10 +184,23 @@ def load_draft(folder: str | Path, embedding: torch.Tensor) -> DraftLM:
         raise DraftFileError(
             f"draft {folder} expects a target embedding of shape "
             f"({config.vocab_size}, {config.hidden_size}), got {tuple(embedding.shape)}")
-    draft = DraftLM(config, embedding, stored.pop("head_ids"))
-    missing, unexpected = draft.load_state_dict(_dequantize(stored), strict=False)
-    missing = [m for m in missing if not m.startswith(SHARED)]
+    head_ids = stored.pop("head_ids")
+    return saved, config, head_ids, _dequantize(stored)
+
+
+def fill_weights(draft: nn.Module, state: dict[str, torch.Tensor], folder: str | Path,
+                 shared: str) -> nn.Module:
+    """``draft`` in eval mode with the saved ``state`` loaded; every parameter but the shared
+    embedding (names starting with ``shared``) must be there, and nothing else."""
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith(shared)]
     if missing or unexpected:
-        raise DraftFileError(f"draft weights {weights} do not fit its config: missing "
-                             f"{missing[:3]}, unexpected {unexpected[:3]}")
+        raise DraftFileError(f"draft weights {Path(folder) / 'model.safetensors'} do not fit "
+                             f"its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return draft.eval()
+
+
+def load_draft(folder: str | Path, embedding: torch.Tensor) -> DraftLM:
+    """Rebuild a saved draft over the target's embedding (V, hidden)."""
+    _, config, head_ids, state = read_saved_draft(folder, embedding)
+    return fill_weights(DraftLM(config, embedding, head_ids), state, folder, SHARED)
