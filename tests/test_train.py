@@ -142,13 +142,20 @@ def test_train_chooses_the_stop_rule_on_dev(pair, traces, tmp_path):  # noqa: F8
 
 
 def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811
+    """Traces of train and dev prompts only (the demo's): choices are made on dev, and the
+    ablation is reported by its dev figures, in report.json and report.md."""
     out = tmp_path / "traindev"
     run_collect(config(pair, out, mode="dense", split="train,dev"))
     report = run_train(TrainConfig(traces=str(out), kind="logreg", out=str(tmp_path / "m"),
-                                   grid=4))
+                                   grid=4, ablation=True))
     assert report["summary"] is None and report["test_replay"] == []
     assert report["dev_choices"]["static"].startswith("static:")
-    assert "no test report" in (tmp_path / "m" / "report.md").read_text()
+    text = (tmp_path / "m" / "report.md").read_text()
+    assert "no test report" in text and "## Ablation" in text
+    row = next(r for r in report["ablation"] if r["group"] == "position")
+    assert row["test_speedup"] is None and row["dev_speedup"] > 0
+    assert f"| position | {row['features']} | {row['dev_auc']:.3f} | {row['dev_speedup']:.3f} |" \
+        in text
 
 
 def test_a_v3_controller_refuses_v2_traces_with_the_schema_error(pair, traces, tmp_path):  # noqa: F811
@@ -193,7 +200,7 @@ def test_the_ablation_report_lists_every_feature_group(traces, tmp_path):
         row = rows[group]
         assert not row["absent"] and set(row["dropped"]) == set(FEATURE_GROUPS[group])
         assert row["features"] == len(examples.features) - len(row["dropped"])
-        assert row["test_speedup"] > 0 and row["vs_full"] > 0
+        assert row["test_speedup"] > 0 and row["vs_full"] > 0 and row["dev_speedup"] > 0
         assert row["dev_auc"] is None or 0 <= row["dev_auc"] <= 1
     text = (tmp_path / "a" / "report.md").read_text()
     assert "## Ablation" in text and all(f"| {g} |" in text for g in FEATURE_GROUPS)

@@ -195,9 +195,10 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
 
 def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: TraceSet,
              dev_ids: set[int], test_ids: set[int], full_speedup: float | None) -> list[dict]:
-    """One row per feature group: the model refitted without it (its threshold chosen on dev
-    again), its dev and test AUC and test modelled speedup, and that speedup over the full
-    model's. Groups the traces do not carry are listed as absent."""
+    """One row per feature group: the model refitted without it (its stop rule and threshold
+    chosen on dev again), its dev and test AUC, its dev and test modelled speedup, and the
+    test speedup over the full model's. Groups the traces do not carry are listed as
+    absent."""
     rows = []
     for group, names in FEATURE_GROUPS.items():
         present = [f for f in names if f in features]
@@ -223,6 +224,7 @@ def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: T
                               test_ids)
             speedup = result["modelled_speedup"]
         row["threshold"], row["stop"], row["test_speedup"] = fitted.threshold, fitted.stop, speedup
+        row["dev_speedup"] = fitted.by_stop[fitted.stop]["dev_speedup"]
         row["vs_full"] = speedup / full_speedup if speedup and full_speedup else None
         rows.append(row)
     return rows
@@ -279,7 +281,8 @@ def _markdown(report: dict) -> str:
              (f"Chosen on dev: {choices['static']}, {choices['svip']}, "
               f"{choices['confidence']}"), ""]
     if s is None:
-        return "\n".join([*lines, "No test prompts in the traces: no test report."]) + "\n"
+        lines.append("No test prompts in the traces: no test report.")
+        return "\n".join(lines + _ablation_lines(report)) + "\n"
     test = report["metrics"]["test"]
     lines += [f"- test AUC {test['auc']}, Brier {test['brier']:.4f}",
              f"- learned / best static ({s['best_static']}): {s['learned_vs_best_static']:.3f}",
@@ -292,18 +295,26 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {r['spec']} | {r['tau']:.2f} | {r['drafted']} | {r['wasted']:.0f} | "
                      f"{r['target_forwards']} | {r['draft_forwards']} | "
                      f"{r['modelled_speedup']:.3f} |")
-    if "ablation" in report:
-        lines += ["", "## Ablation: the model refitted without one feature group", "",
-                  ("| group dropped | features left | dev AUC | test AUC | test modelled "
-                   "speedup | vs all features |"), "|---|---|---|---|---|---|"]
-        for r in report["ablation"]:
-            if r["absent"]:
-                lines.append(f"| {r['group']} | (not in these traces) | | | | |")
-                continue
-            lines.append(f"| {r['group']} | {r.get('features', 0)} | {_fmt(r.get('dev_auc'))} | "
-                         f"{_fmt(r.get('test_auc'))} | {_fmt(r.get('test_speedup'))} | "
-                         f"{_fmt(r.get('vs_full'))} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _ablation_lines(report)) + "\n"
+
+
+def _ablation_lines(report: dict) -> list[str]:
+    if "ablation" not in report:
+        return []
+    full = report["dev_by_stop"][report["stop"]]["dev_speedup"]
+    lines = ["", "## Ablation: the model refitted without one feature group", "",
+             (f"All features: dev AUC {_fmt(report['metrics']['dev']['auc'])}, dev modelled "
+              f"speedup {full:.3f}."), "",
+             ("| group dropped | features left | dev AUC | dev modelled speedup | test AUC | "
+              "test modelled speedup | vs all features (test) |"), "|---|---|---|---|---|---|---|"]
+    for r in report["ablation"]:
+        if r["absent"]:
+            lines.append(f"| {r['group']} | (not in these traces) | | | | | |")
+            continue
+        lines.append(f"| {r['group']} | {r.get('features', 0)} | {_fmt(r.get('dev_auc'))} | "
+                     f"{_fmt(r.get('dev_speedup'))} | {_fmt(r.get('test_auc'))} | "
+                     f"{_fmt(r.get('test_speedup'))} | {_fmt(r.get('vs_full'))} |")
+    return lines
 
 
 def _fmt(value) -> str:
