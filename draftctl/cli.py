@@ -284,7 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", help="JSONL prompt file (default: draftctl's own set)")
     demo.add_argument("--draft", help="draft spec or folder (default: the shipped draft)")
     demo.add_argument("--drafter", help="model+lookup (default): the draft model mixed with "
-                                        "context lookup; model: the draft model alone")
+                                        "context lookup; model: the draft model alone; "
+                                        "model+lookup,alone=2: lookup drafts rounds alone "
+                                        "where it matches (traced in probe mode)")
     demo.add_argument("--collect-per-category", type=int,
                       help="train+dev prompts per category to collect traces on (default 12)")
     demo.add_argument("--bench-per-category", type=int,

@@ -73,7 +73,8 @@ def run_decode(job: DecodeJob) -> Decoded:
 @dataclass
 class DemoJob:
     """The whole toolkit on the built-in pair, offline: collect dense traces on the train and
-    dev prompts, train learned controllers, export them to ONNX, then ``bench`` them on the
+    dev prompts (probe traces, ``k_probe`` tokens a round, for a drafter whose rounds end
+    where lookup matches do: ``model+lookup,alone=N``, ``lookup``), train learned controllers, export them to ONNX, then ``bench`` them on the
     test prompts against the best static K, heuristic, confidence and SVIP (the last three
     values chosen on dev by replay), and the oracle."""
 
@@ -116,12 +117,13 @@ def run_demo(job: DemoJob) -> dict:
     save_config(job, out / "demo.yaml")
     stages = 3 + len(job.kinds)
 
-    _stage(1, stages, "collect dense traces on the train and dev prompts")
+    mode = "dense" if parse_drafter(job.drafter).dense else "probe"
+    _stage(1, stages, f"collect {mode} traces on the train and dev prompts")
     traces = out / "traces"
     run_collect(CollectConfig(
         target=job.target, draft=job.draft, drafter=job.drafter, prompts=job.prompts,
         split="train,dev",
-        limit=job.collect_limit, per_category=job.collect_per_category, mode="dense",
+        limit=job.collect_limit, per_category=job.collect_per_category, mode=mode,
         k_probe=job.k_probe, max_new_tokens=job.max_new_tokens, seed=job.seed,
         device=job.device, out=str(traces)))
 

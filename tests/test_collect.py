@@ -224,3 +224,19 @@ def test_demo_runs_on_the_pair_it_is_given(pair, tmp_path):
     bench = summary["bench"]
     assert bench["draft"] == draft and bench["mismatches"] == 0
     assert any(row["spec"].startswith("onnx:") for row in bench["controllers"])
+
+
+def test_demo_collects_probe_traces_for_a_drafter_without_dense_rows(pair, tmp_path):
+    """``model+lookup,alone=2`` ends rounds where lookup matches do, so dense traces refuse
+    it: the demo collects probe traces for it instead and runs to its bench."""
+    from draftctl.jobs import DemoJob, run_demo
+
+    target, draft, prompts = pair
+    out = tmp_path / "demo"
+    summary = run_demo(DemoJob(target=target, draft=draft, prompts=prompts,
+                               drafter="model+lookup,alone=2", collect_per_category=None,
+                               collect_limit=6, bench_per_category=None, bench_limit=2,
+                               max_new_tokens=8, k_probe=4, kinds=["logreg"], out=str(out)))
+    info = json.loads((out / "traces" / "run.json").read_text())
+    assert info["mode"] == "rounds" and info["policy"] == "static:4"
+    assert summary["bench"]["mismatches"] == 0
