@@ -74,9 +74,10 @@ def run_decode(job: DecodeJob) -> Decoded:
 class DemoJob:
     """The whole toolkit on the built-in pair, offline: collect dense traces on the train and
     dev prompts (probe traces, ``k_probe`` tokens a round, for a drafter whose rounds end
-    where lookup matches do: ``model+lookup,alone=N``, ``lookup``), train learned controllers, export them to ONNX, then ``bench`` them on the
-    test prompts against the best static K, heuristic, confidence and SVIP (the last three
-    values chosen on dev by replay), and the oracle."""
+    where lookup matches do: ``model+lookup,alone=N``, ``lookup``), train learned
+    controllers, export them to ONNX, then ``bench`` them on the test prompts against the
+    best static K, heuristic, confidence and SVIP (the last three values chosen on dev by
+    replay), and the oracle."""
 
     prompts: str | None = None  # default: draftctl's own prompt set
     collect_per_category: int | None = 12

@@ -34,11 +34,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from draftctl.distill.model import (
-    fill_weights,
-    read_saved_draft,
-    write_draft_folder,
-)
+from draftctl.distill.model import fill_weights, read_saved_draft, write_draft_folder
 
 FORMAT = "draftctl-feature-draft/1"
 
