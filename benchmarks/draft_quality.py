@@ -20,6 +20,8 @@ script checks it against plain decoding on the first prompts of each set).
 
     python benchmarks/draft_quality.py [--draft smollm2-135m-draft] [--per-category 10]
         [--split train,dev,test] [--drafter model+lookup]
+    python benchmarks/draft_quality.py --draft runs/distill-pool-v9 --split all \
+        --prompts runs/pool-v9/pool.jsonl --holdout-every 20   # trained minus held out
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from draftctl.distill.feature import FeatureDraftLM, agreement
 from draftctl.drafters import parse_drafter
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import settle
-from draftctl.prompts import load_prompts
+from draftctl.prompts import first_of, load_prompts
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
@@ -149,6 +151,9 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=10,
                         help="prompts per task group of each set and split")
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--holdout-every", type=int, default=None, metavar="N",
+                        help="report each set twice: the prompts a draft trained on (question_id "
+                             "%% N != 0) and those held out (== 0), as distill's holdout_every")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -169,10 +174,16 @@ def main() -> None:
     splits = args.split.split(",")
     for path in args.prompts:
         for split in splits:
-            prompts = load_prompts(None if path == "draftctl" else path, split, args.limit,
-                                   args.per_category)
             key = path if len(splits) == 1 else f"{path} [{split}]"
-            sets[key] = quality(decoder, target, draft, prompts)
+            prompts = load_prompts(None if path == "draftctl" else path, split)
+            if args.holdout_every is None:
+                sets[key] = quality(decoder, target, draft,
+                                    first_of(prompts, args.per_category, args.limit))
+                continue
+            for name, held in (("trained", False), ("held out", True)):
+                part = [p for p in prompts if (p.question_id % args.holdout_every == 0) == held]
+                sets[f"{key} [{name}]"] = quality(decoder, target, draft,
+                                                  first_of(part, args.per_category, args.limit))
     report = {"target": args.target, "draft": draft_spec, "drafter": drafter.text,
               "split": args.split,
               "per_category": args.per_category,

@@ -92,16 +92,22 @@ def load_prompts(path: str | Path | None = None, split: str = "all",
             prompts.append(prompt)
     if not prompts:
         raise PromptFileError(f"{path} holds no prompts")
-    chosen = [p for p in prompts if "all" in splits or p.split in splits]
+    return first_of(prompts=[p for p in prompts if "all" in splits or p.split in splits],
+                    per_category=per_category, limit=limit)
+
+
+def first_of(prompts: list[Prompt], per_category: int | None = None,
+             limit: int | None = None) -> list[Prompt]:
+    """The first ``per_category`` prompts of each task group, then the first ``limit``."""
     if per_category is not None:
         taken: dict[str, int] = {}
         kept = []
-        for p in chosen:
+        for p in prompts:
             taken[p.task] = taken.get(p.task, 0) + 1
             if taken[p.task] <= per_category:
                 kept.append(p)
-        chosen = kept
-    return chosen[:limit] if limit is not None else chosen
+        prompts = kept
+    return prompts[:limit] if limit is not None else prompts
 
 
 def _dataset_lines(path: Path) -> list[str]:
