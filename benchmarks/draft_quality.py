@@ -176,14 +176,13 @@ def main() -> None:
         for split in splits:
             key = path if len(splits) == 1 else f"{path} [{split}]"
             prompts = load_prompts(None if path == "draftctl" else path, split)
-            if args.holdout_every is None:
-                sets[key] = quality(decoder, target, draft,
-                                    first_of(prompts, args.per_category, args.limit))
-                continue
-            for name, held in (("trained", False), ("held out", True)):
-                part = [p for p in prompts if (p.question_id % args.holdout_every == 0) == held]
-                sets[f"{key} [{name}]"] = quality(decoder, target, draft,
-                                                  first_of(part, args.per_category, args.limit))
+            parts = {key: prompts} if args.holdout_every is None else {
+                f"{key} [{name}]": [p for p in prompts
+                                    if (p.question_id % args.holdout_every == 0) == held]
+                for name, held in (("trained", False), ("held out", True))}
+            for name, part in parts.items():
+                sets[name] = quality(decoder, target, draft,
+                                     first_of(part, args.per_category, args.limit))
     report = {"target": args.target, "draft": draft_spec, "drafter": drafter.text,
               "split": args.split,
               "per_category": args.per_category,
