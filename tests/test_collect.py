@@ -51,28 +51,37 @@ def config(pair, out, **kw) -> CollectConfig:
     return CollectConfig(**{**base, **kw})
 
 
-def real_rounds(pair, spec: str, max_new_tokens=20, max_draft=6) -> tuple[int, int]:
+def real_rounds(pair, spec: str, max_new_tokens=20, max_draft=6) -> tuple[int, int, int]:
+    """(rounds, drafted tokens, draft forwards) of real decoding over the pair's prompts."""
     target_spec, draft_spec, prompts = pair
     target = load_model(target_spec, "cpu")
     draft = load_model(draft_spec, "cpu")
     decoder = SpeculativeDecoder.from_loaded(
         target, draft, DecodeConfig(max_new_tokens=max_new_tokens, max_draft=max_draft))
-    rounds = drafted = 0
+    rounds = drafted = forwards = 0
     for p in load_prompts(prompts):
-        result = generate(decoder, encode_prompt(target.tokenizer, p.text), make_controller(spec))
+        prompt_ids = encode_prompt(target.tokenizer, p.text)
+        controller = make_controller(spec)
+        if spec == "oracle":
+            controller.set_reference(generate(decoder, prompt_ids,
+                                              make_controller("none")).output_ids)
+        result = generate(decoder, prompt_ids, controller)
         rounds += len(result.rounds)
         drafted += sum(r.drafted for r in result.rounds)
-    return rounds, drafted
+        forwards += sum(r.draft_forwards for r in result.rounds)
+    return rounds, drafted, forwards
 
 
 def test_dense_replay_equals_real_runs_exactly(pair, tmp_path):
     run_collect(config(pair, tmp_path / "dense", mode="dense"))
     specs = ["static:1", "static:3", "static:6", "heuristic", "svip:0.6", "pmin:0.3"]
     results = {r["spec"]: r for r in replay(tmp_path / "dense", specs + ["oracle"])}
-    for spec in specs:
-        rounds, drafted = real_rounds(pair, spec)
+    for spec in specs + ["oracle"]:
+        rounds, drafted, forwards = real_rounds(pair, spec)
         assert results[spec]["target_forwards"] == rounds, spec
         assert results[spec]["drafted"] == drafted, spec
+        if spec in ("static:1", "static:6", "oracle"):  # the oracle pays for its mismatches
+            assert results[spec]["draft_forwards"] == forwards, spec
     oracle = results["oracle"]
     assert oracle["wasted"] == 0
     assert all(oracle["tau"] >= results[s]["tau"] for s in specs)

@@ -23,7 +23,7 @@ pass the decoder really runs (``t(M)`` per chunk of a fixed shape M); a retrieva
 its recorded lookup time plus ``t_verify(nodes + 1) + calls t_ctrl``; plain decoding takes
 ``t_verify(1)`` per token in the same shape (the lossless comparison), and the fastest plain
 decoding the profile measured gives a second speedup. ``oracle`` drafts exactly what is
-accepted.
+accepted and, like the real one, pays for the draft step that meets the first mismatch.
 """
 
 from __future__ import annotations
@@ -141,9 +141,9 @@ class ReplayResult:
 def _choose_length(controller: Controller | None, recorded: Sequence[FeatureRecord],
                    budget: int, oracle_len: int) -> tuple[list, int, int]:
     """Run the controller over one round's recorded records: (records kept, forwards, calls)."""
-    if controller is None:  # oracle
+    if controller is None:  # oracle: the draft step that meets the first mismatch is spent
         length = min(budget, oracle_len)
-        return [None] * length, length, 0
+        return [None] * length, length + (length < budget), 0
     records, calls = [], 0
     for record in recorded[:min(budget, controller.max_draft())]:
         if controller.reads_features:
@@ -200,6 +200,8 @@ def replay_dense_prompt(group: dict, controller: Controller | None, cost: CostMo
     t = 0
     while t < total:
         budget = min(k_probe, max_new_tokens - t - 1)
+        if controller is None:  # the oracle's own cap: the reference's end
+            budget = min(budget, total - t - 1)
         history = {"prev_accepted": state.prev_accepted, "prev_drafted": state.prev_drafted,
                    "accept_rate": state.accept_rate}
         here = [replace(r, **history) for r in recorded[t * k_probe:(t + 1) * k_probe]]
