@@ -20,7 +20,7 @@ script checks it against plain decoding on the first prompts of each set).
 
     python benchmarks/draft_quality.py [--draft smollm2-135m-draft] [--per-category 10]
         [--split train,dev,test] [--drafter model+lookup]
-    python benchmarks/draft_quality.py --draft runs/distill-pool-v9 --split all \
+    python benchmarks/draft_quality.py --draft runs/distill-pool-v10 --split all \
         --prompts runs/pool-v9/pool.jsonl --holdout-every 20   # trained minus held out
 """
 
