@@ -410,3 +410,25 @@ def test_a_run_continues_from_an_earlier_draft(setup):
     with pytest.raises(DraftctlError, match="is not a draft distilled by draftctl"):
         run_distill(replace(second, out=str(Path(config.out).parent / "fourth"),
                             init_from=teacher_spec))
+
+
+def test_labels_made_for_a_continued_draft_train_a_fresh_one_but_not_another_head(setup):
+    """A data folder whose labels were made for ``init_from``'s head serves a fresh draft
+    (which takes that head), but a run continuing a draft with another head is refused by the
+    head ids themselves, not by the recipe's wording."""
+    from dataclasses import replace
+
+    _, config = setup
+    run_distill(config)  # head of 40 ids
+    parent = Path(config.out).parent
+    second = replace(config, out=str(parent / "second"), init_from=config.out, steps=2)
+    run_distill(second)
+    fresh = run_distill(replace(config, out=str(parent / "fresh"), steps=2,
+                                data_dir=str(parent / "second" / "data")))
+    assert fresh["training"]["init_from"] is None and fresh["architecture"]["head_size"] == 40
+    other = replace(config, out=str(parent / "other"), head_size=24, steps=2)
+    run_distill(other)
+    with pytest.raises(DraftctlError, match=r"has another head \(40 ids\) than the one .* \(24 "
+                                            r"ids\); use another data folder"):
+        run_distill(replace(other, out=str(parent / "mixed"), init_from=config.out,
+                            data_dir=str(parent / "other" / "data")))

@@ -385,6 +385,10 @@ def run_distill(cfg: DistillConfig) -> dict:
         labelled.pop("features")  # they stay in the parts; feature drafts load them there
         teacher = {"head_ids": head_ids, **labelled}
         _atomic_save(teacher, teacher_path)
+    if init is not None and not torch.equal(init.head_ids.cpu(), teacher["head_ids"]):
+        raise DraftctlError(f"init_from {cfg.init_from!r} has another head ({init.head_ids.numel()}"
+                            f" ids) than the one {data}'s labels were made for "
+                            f"({len(teacher['head_ids'])} ids); use another data folder")
 
     trainee = make_trainee(cfg, target, teacher, eval_rows, data / "teacher")
     if init is not None:  # same kind and shape, checked: every tensor must fit
@@ -435,12 +439,15 @@ def run_distill(cfg: DistillConfig) -> dict:
     return manifest
 
 
-# the settings stages 1-2 depend on: a data folder made with other values is refused
+# the settings stages 1-2 depend on: a data folder made with other values is refused. The
+# labels' head ids are saved with them; a run whose init_from has another head is refused
+# by comparing the ids themselves, so a fresh draft (of either kind) may train on labels
+# that were made for a continued one.
 DATA_KEYS = ("target", "prompts", "split", "limit", "samples_per_prompt", "max_new_tokens",
              "temperature", "top_p", "max_prompt_tokens", "extra_text", "text_chunk_tokens",
              "eval_prompts", "eval_split", "eval_limit", "holdout_every", "eval_max_new_tokens",
              "head_size", "head_coverage", "head_sizes", "teacher_top_k", "feature_layers",
-             "prompt_loss", "seed", "dtype", "init_from")
+             "prompt_loss", "seed", "dtype")
 
 
 def initial_draft(cfg: DistillConfig, target: LoadedModel) -> torch.nn.Module | None:
