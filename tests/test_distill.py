@@ -357,6 +357,18 @@ def test_bfloat16_training_runs_under_autocast_and_stays_lossless(setup):
         run_distill(replace(config, train_dtype="float16"))
 
 
+def test_a_model_draft_of_a_bfloat16_target_saves_and_reloads_in_float32(setup):
+    """The target in bfloat16 (its config then names that dtype, and the draft copies its
+    config): the draft still trains and reloads in float32, so its int8 weights as saved are
+    evaluated and the manifest says how they agree."""
+    from dataclasses import replace
+
+    _, config = setup
+    manifest = run_distill(replace(config, dtype="bfloat16", steps=2))
+    assert manifest["made_on"]["target_dtype"] == "torch.bfloat16"
+    assert 0.0 <= manifest["agreement_eval_int8"] <= 1.0
+
+
 def test_static_and_dynamic_caches_give_the_same_greedy_answers(setup, tmp_path):
     """Distill's answers use a static cache on CPU (no copy of keys and values per step):
     over left-padded batches of prompts of different lengths, float32 greedy answers are the

@@ -45,7 +45,9 @@ class DraftLM(nn.Module):
     def __init__(self, config: PretrainedConfig, embedding: torch.Tensor, head_ids: torch.Tensor):
         super().__init__()
         self.config = config
-        self.model = AutoModel.from_config(config)
+        # layers in the embedding's dtype, not the dtype the config names (a target loaded
+        # in bfloat16 passes its own; the draft trains and loads in float32, then casts)
+        self.model = AutoModel.from_config(config, dtype=embedding.dtype)
         self.model.embed_tokens.weight = nn.Parameter(embedding, requires_grad=False)
         self.register_buffer("head_ids", head_ids.long(), persistent=False)
         # Output head over the head tokens only, initialised from their embedding rows (the
