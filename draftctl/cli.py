@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     dist = sub.add_parser("distill", help="distil a small draft model from a target")
-    dist.add_argument("--config", help="YAML recipe (configs/distill.yaml is the shipped one)")
+    dist.add_argument("--config", help="YAML recipe (configs/distill*.yaml: the shipped drafts' recipes)")
     dist.add_argument("--target", help="target model spec")
     dist.add_argument("--out", help="output folder (resumes what it finds there)")
     dist.add_argument("--prompts", help="JSONL prompt file for the training text")

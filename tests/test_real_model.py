@@ -170,10 +170,14 @@ def _lossless_accepted_share(target, draft, specs, limit: int, max_new_tokens: i
     return accepted / drafted
 
 
-def test_shipped_draft_is_lossless_with_the_builtin_target(smollm2):
+def test_shipped_draft_is_lossless_with_the_builtin_target_and_learned_from_the_pool_only(
+        smollm2):
+    folder = BUILTIN_DRAFTS["smollm2-135m-draft"]
+    assert (folder / "model.safetensors").stat().st_size <= 21e6
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["data"]["pool"] is not None and manifest["data"]["split"] == "all"
     draft = load_model("smollm2-135m-draft", "cpu", target=smollm2)
     assert isinstance(draft.model, DraftLM)
-    assert (BUILTIN_DRAFTS["smollm2-135m-draft"] / "model.safetensors").stat().st_size <= 16e6
     # a broken or mismatched draft would accept ~nothing
     assert _lossless_accepted_share(smollm2, draft, ("static:4", "svip"), 5, 32) > 0.05
 
