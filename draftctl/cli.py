@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from draftctl import __version__
-from draftctl.config import load_config
+from draftctl.config import config_from, load_config, read_settings
 from draftctl.controllers import describe, expand_specs
 from draftctl.errors import DraftctlError
 from draftctl.jobs import DecodeJob, DemoJob, quick_demo, run_decode, run_demo
@@ -71,7 +71,8 @@ def _distill(args: argparse.Namespace) -> int:
                  "time_budget_min": args.time_budget_min, "dtype": args.dtype,
                  "extra_text": args.extra_text, "kind": args.kind, "data_dir": args.data_dir,
                  "init_from": args.init_from}
-    manifest = run_distill(load_config(DistillConfig, args.config, overrides))
+    settings = read_settings(args.config, overrides)
+    manifest = run_distill(config_from(DistillConfig, settings), stated=set(settings))
     print(f"draft written to {manifest['config']['out']}: eval agreement "
           f"{manifest['agreement_eval_int8']:.3f} (int8 weights as saved) after "
           f"{manifest['training']['steps']} steps")

@@ -2,6 +2,7 @@
 
 import json
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,33 @@ def test_a_second_draft_trains_on_another_runs_data_folder(setup):
     assert manifest["stages"]["teacher_labels"] == first["stages"]["teacher_labels"]
     with pytest.raises(DraftctlError, match=r"other data settings \(max_new_tokens\)"):
         run_distill(replace(second, max_new_tokens=12))
+
+
+def test_a_recipe_on_another_runs_data_takes_the_data_settings_it_does_not_state(
+        setup, tmp_path, capsys):
+    """A recipe naming ``data_dir`` need not repeat the folder's data settings: those it
+    leaves out come from the folder's recipe.json; one it states otherwise is refused."""
+    import yaml
+
+    from draftctl.cli import main
+
+    _, config = setup
+    config.feature_layers = [1, 2]
+    first = run_distill(config)
+    data = Path(config.out) / "data"
+    training = {k: v for k, v in asdict(config).items() if k not in distill_run.DATA_KEYS}
+    recipe = tmp_path / "second.yaml"
+    recipe.write_text(yaml.safe_dump({**training, "kind": "feature", "data_dir": str(data),
+                                      "out": str(tmp_path / "second")}))
+    assert main(["distill", "--config", str(recipe)]) == 0
+    manifest = json.loads((tmp_path / "second" / "manifest.json").read_text())
+    assert manifest["data"]["responses_sha256"] == first["data"]["responses_sha256"]
+    assert manifest["config"]["feature_layers"] == [1, 2]  # taken from the folder
+    assert manifest["config"]["max_new_tokens"] == 10 != DistillConfig.max_new_tokens
+    recipe.write_text(yaml.safe_dump({**training, "data_dir": str(data), "max_new_tokens": 12,
+                                      "out": str(tmp_path / "third")}))
+    assert main(["distill", "--config", str(recipe)]) == 2
+    assert "other data settings (max_new_tokens)" in capsys.readouterr().err
 
 
 def test_a_killed_response_stage_keeps_its_batches_in_the_ledger(setup, monkeypatch):

@@ -20,7 +20,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -324,17 +324,22 @@ def agreement(draft: DraftLM, rows: list[dict]) -> float:
     return hits / total if total else float("nan")
 
 
-def run_distill(cfg: DistillConfig) -> dict:
-    """Run (or resume) every stage; returns the manifest of the finished draft."""
+def run_distill(cfg: DistillConfig, stated: set[str] | None = None) -> dict:
+    """Run (or resume) every stage; returns the manifest of the finished draft. ``stated``:
+    the settings the recipe's file and flags set (None: all); a run on another folder's data
+    takes the data settings it does not state from that folder's ``recipe.json``."""
     started = time.time()
+    out = Path(cfg.out)
+    data = Path(cfg.data_dir) if cfg.data_dir else out / "data"
+    cfg = check_data_recipe(cfg, data, stated)
     _check(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out)
-    data = Path(cfg.data_dir) if cfg.data_dir else out / "data"
     for folder in (out, data):
         folder.mkdir(parents=True, exist_ok=True)
-    check_data_recipe(cfg, data)
+    if not (data / "recipe.json").is_file():
+        (data / "recipe.json").write_text(json.dumps({k: getattr(cfg, k) for k in DATA_KEYS},
+                                                     indent=2))
     save_config(cfg, out / "distill.yaml")
     target = load_model(cfg.target, cfg.device, target_dtype(cfg.target, cfg.device, cfg.dtype))
     prompts = load_prompts(cfg.prompts, cfg.split, cfg.limit)
@@ -490,19 +495,22 @@ def init_record(spec: str) -> dict:
             "agreement_eval_int8": manifest.get("agreement_eval_int8")}
 
 
-def check_data_recipe(cfg: DistillConfig, data: Path) -> None:
-    """Record the data settings in ``data/recipe.json``, or refuse a run whose settings
-    differ from those the folder was made with (naming the keys)."""
-    recipe = {key: getattr(cfg, key) for key in DATA_KEYS}
+def check_data_recipe(cfg: DistillConfig, data: Path,
+                      stated: set[str] | None = None) -> DistillConfig:
+    """``cfg`` with the data settings of ``data/recipe.json``, where the folder has one, that
+    the recipe does not state (``stated``: the keys its file and flags set; None: all); a
+    run that states other values than the folder was made with is refused, naming the keys."""
     path = data / "recipe.json"
-    if path.is_file():
-        made = json.loads(path.read_text())
-        changed = [k for k in DATA_KEYS if made.get(k) != recipe[k]]
-        if changed:
-            raise DraftctlError(f"{data} was made with other data settings ({', '.join(changed)}"
-                                f"); use those, or another data folder")
-        return
-    path.write_text(json.dumps(recipe, indent=2))
+    if not path.is_file():
+        return cfg
+    made = json.loads(path.read_text())
+    taken = {k: made[k] for k in DATA_KEYS if k in made and k not in (stated or DATA_KEYS)}
+    cfg = replace(cfg, **taken)
+    changed = [k for k in DATA_KEYS if made.get(k) != getattr(cfg, k)]
+    if changed:
+        raise DraftctlError(f"{data} was made with other data settings ({', '.join(changed)}"
+                            f"); use those, or another data folder")
+    return cfg
 
 
 def _sha256(path: Path) -> str:
