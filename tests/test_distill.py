@@ -308,6 +308,16 @@ def test_a_recipe_on_another_runs_data_takes_the_data_settings_it_does_not_state
     assert "other data settings (max_new_tokens)" in capsys.readouterr().err
 
 
+def test_a_recipe_stating_no_data_setting_takes_them_all_from_the_folder(tmp_path):
+    made = DistillConfig(prompts="pool.jsonl", max_new_tokens=64, seed=3)
+    (tmp_path / "recipe.json").write_text(
+        json.dumps({k: getattr(made, k) for k in distill_run.DATA_KEYS}))
+    taken = distill_run.check_data_recipe(DistillConfig(), tmp_path, stated=set())
+    assert (taken.prompts, taken.max_new_tokens, taken.seed) == ("pool.jsonl", 64, 3)
+    with pytest.raises(DraftctlError, match=r"other data settings \(max_new_tokens, seed\)"):
+        distill_run.check_data_recipe(DistillConfig(prompts="pool.jsonl"), tmp_path)
+
+
 def test_a_killed_response_stage_keeps_its_batches_in_the_ledger(setup, monkeypatch):
     """The stage ledger is written batch by batch: a run killed in its third batch has its
     first two counted, and the resumed run adds the rest, so the recipe's totals add up."""

@@ -504,7 +504,8 @@ def check_data_recipe(cfg: DistillConfig, data: Path,
     if not path.is_file():
         return cfg
     made = json.loads(path.read_text())
-    taken = {k: made[k] for k in DATA_KEYS if k in made and k not in (stated or DATA_KEYS)}
+    fixed = DATA_KEYS if stated is None else stated
+    taken = {k: made[k] for k in DATA_KEYS if k in made and k not in fixed}
     cfg = replace(cfg, **taken)
     changed = [k for k in DATA_KEYS if made.get(k) != getattr(cfg, k)]
     if changed:
