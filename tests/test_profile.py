@@ -141,6 +141,8 @@ def test_batch_jobs_run_in_the_dtype_of_the_fastest_batched_pass(tmp_path, capsy
     timing is measured again, with a notice."""
     from draftctl.profile import batch_dtype, default_path
 
+    if len(candidate_dtypes(torch.device("cpu"))) == 1:
+        pytest.skip("this CPU computes float32 only: batch jobs need no profile (next test)")
     target = save_model(tmp_path / "target")
     chosen = batch_dtype(target, "cpu")
     path = default_path(target, None, torch.device("cpu"))
@@ -152,3 +154,13 @@ def test_batch_jobs_run_in_the_dtype_of_the_fastest_batched_pass(tmp_path, capsy
     assert batch_dtype(target, "cpu") in candidate_dtypes(torch.device("cpu"))
     assert "predates batch timing" in capsys.readouterr().err
     assert "batch" in json.loads(path.read_text())
+
+
+def test_a_cpu_with_one_native_dtype_runs_batch_jobs_in_it_without_calibrating(
+        tmp_path, monkeypatch):
+    from draftctl.profile import batch_dtype, default_path
+
+    monkeypatch.setattr(models, "bfloat16_supported", lambda device: False)
+    target = save_model(tmp_path / "target")
+    assert batch_dtype(target, "cpu") == "float32"
+    assert not default_path(target, None, torch.device("cpu")).exists()
