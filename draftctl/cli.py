@@ -129,7 +129,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     keys = ("prompts", "split", "limit", "per_category", "target", "draft", "drafter",
             "pass_shape", "profile", "max_new_tokens", "max_draft", "temperature", "top_k",
-            "top_p", "seed", "device", "dtype", "engine", "repeats", "out")
+            "top_p", "seed", "device", "dtype", "engine", "kernels", "repeats", "out")
     overrides = {k: getattr(args, k) for k in keys}
     if args.controllers is not None:
         overrides["controllers"] = [args.controllers]
@@ -383,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draftctl (default): draftctl's decoder; hf: transformers' generate() "
                          "with AR, its own schedules (hf:constant:K, hf:heuristic[:K0], "
                          "hf:confidence[:T]) and draftctl controllers")
+    be.add_argument("--kernels", choices=("stock", "packed"),
+                    help="--engine hf: stock (default) or packed: every model's linear layers "
+                         "on oneDNN with packed weights (CPU; passes of several tokens, which "
+                         "verify drafts, cost less on CPUs without bfloat16 matrix units)")
     be.add_argument("--repeats", type=int,
                     help="timed passes over each prompt, each in another rotated order; a "
                          "run's time is its fastest pass (default 1)")

@@ -15,6 +15,11 @@ assistant's temperature-1 distribution at each drafted token (read from its outp
 sampling settings do not change the features), its position, and the sequence's acceptance
 history. A draftctl feature-level draft drafts from the target's hidden states, which
 transformers hands to ``FeatureCandidateGenerator``.
+
+On a CPU, ``packed_view(model)`` (``draftctl.decode.kernels``) gives a model whose passes of
+several tokens, the ones that verify a draft, run through oneDNN with packed weights: on CPUs
+without bfloat16 matrix units they cost far less than through the stock kernels, so drafting
+pays more (``generate()`` runs on the view as on the model).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from draftctl.decode.features import (
     entropy,
     token_classes,
 )
+from draftctl.decode.kernels import packed_view  # noqa: F401  (re-exported: hf.packed_view)
 from draftctl.decode.loop import RoundRecord
 from draftctl.decode.verify import SamplingConfig, overlap
 from draftctl.distill.feature import FeatureDraftLM

@@ -367,6 +367,30 @@ def test_bench_engine_hf_runs_lookup_both_ways(pair, tmp_path):  # noqa: F811
             run_bench(BenchConfig(**base, draft=str(folder), controllers=[spec]))
 
 
+def test_bench_engine_hf_runs_every_row_on_packed_linear_layers(pair, tmp_path):  # noqa: F811
+    """``--engine hf --kernels packed``: plain generate() and every schedule run on the
+    models' packed views, greedy outputs still equal to plain generate()'s, and the report
+    says so; draftctl's engine refuses the flag (its kernels follow --pass-shape)."""
+    from draftctl.decode import kernels
+
+    target, draft, prompts = pair
+    if kernels.packable(load_model(target, "cpu").model):
+        pytest.skip(kernels.packable(load_model(target, "cpu").model))
+    out = tmp_path / "packed"
+    assert main(bench_args(pair, out, "--engine", "hf", "--kernels", "packed",
+                           "--controllers", "hf:constant:2,static:2", "--no-plots")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["kernels"] == "packed" and report["mismatches"] == 0
+    assert [c["spec"] for c in report["controllers"]] == ["hf:constant:2", "static:2"]
+    assert "linear layers packed" in (out / "report.md").read_text()
+    base = {"target": target, "draft": draft, "prompts": prompts, "split": "all",
+            "device": "cpu", "out": str(tmp_path / "x"), "controllers": ["static:2"]}
+    with pytest.raises(DraftctlError, match="applies to --engine hf"):
+        run_bench(BenchConfig(**base, kernels="packed"))
+    with pytest.raises(DraftctlError, match="unknown kernels 'fast'"):
+        run_bench(BenchConfig(**base, engine="hf", kernels="fast"))
+
+
 def test_bench_at_t1_runs_every_controller_from_one_seed(pair, tmp_path):  # noqa: F811
     """Sampling (T=1): every controller but the oracle runs, each prompt from the configured
     seed (so a rerun repeats every output, another seed changes them), and no mismatch

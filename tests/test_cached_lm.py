@@ -116,6 +116,30 @@ def test_the_row_invariant_view_shares_weights_and_leaves_the_model_alone(tiny_m
                                    target.lm_head(target.model.embed_tokens(ids)))
 
 
+def test_the_packed_view_keeps_the_models_logits_and_shares_its_weights(tiny_models):
+    """The packed view (speed, not exactness): one token through the stock kernel gives the
+    model's own logits bit for bit, several tokens through oneDNN give them to rounding; it
+    shares the weights, is made once, leaves the model alone; other dtypes are refused."""
+    target, _ = tiny_models
+    if kernels.packable(target):
+        pytest.skip(kernels.packable(target))
+    view = kernels.packed_view(target)
+    assert view is not target and kernels.packed_view(target) is view
+    assert kernels.packed_view(view) is view
+    assert view.lm_head.weight is target.lm_head.weight
+    assert isinstance(target.lm_head, torch.nn.Linear)
+    assert isinstance(view.lm_head, kernels.PackedLinear) and not view.lm_head.row_invariant
+    assert view.config._attn_implementation == target.config._attn_implementation
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.inference_mode():
+        torch.testing.assert_close(view(ids).logits, target(ids).logits)
+        assert torch.equal(view(ids[:, :1]).logits, target(ids[:, :1]).logits)
+    half = tiny_llama(vocab_size=97).to(torch.float16)
+    with pytest.raises(DecodeInputError, match="support float32 and bfloat16, not "
+                                               "torch.float16"):
+        kernels.packed_view(half)
+
+
 def test_every_pass_after_the_prompt_runs_at_the_fixed_rows(tiny_models):
     target, draft = tiny_models
     decoder = make_decoder(target, draft, max_new_tokens=30, pass_shape=PassShape(fixed=5))

@@ -109,6 +109,24 @@ def test_bad_versions_vocabularies_and_controllers_are_refused(pair):
         hf.generate(target, PROMPT, draft, controller="oracle", max_new_tokens=4)
 
 
+def test_generate_runs_on_packed_views_of_both_models(pair):
+    """The packed views (``draftctl.decode.kernels.packed_view``) are models generate()
+    drives like the originals: greedy output of a controller equals the view's plain
+    generate(), and transformers' own schedule runs with a packed assistant."""
+    from draftctl.decode import kernels
+
+    target, draft = pair
+    if kernels.packable(target):
+        pytest.skip(kernels.packable(target))
+    fast_target, fast_draft = kernels.packed_view(target), kernels.packed_view(draft)
+    plain = fast_target.generate(PROMPT, max_new_tokens=30, do_sample=False)
+    for spec in ("static:3", "hf:constant:2"):
+        result = hf.run(fast_target, PROMPT, fast_draft, controller=spec, max_new_tokens=30,
+                        do_sample=False)
+        assert torch.equal(result.output, plain), spec
+        assert sum(r.drafted for r in result.rounds) > 0
+
+
 def test_a_draftctl_draft_is_the_assistant_as_loaded(pair):
     """A distilled draft (the target's first layer, a reduced head) goes in as its ``nn.Module``:
     the output stays the target's, and its drafts are accepted (its weights are the ones

@@ -23,6 +23,7 @@ from draftctl import hf
 from draftctl.bench.run import BenchConfig, Run, build_report, keep_fastest, rotated, write_report
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
+from draftctl.decode import kernels
 from draftctl.decode.loop import GenerationResult
 from draftctl.drafters.lookup import MODEL_LOOKUP, is_lookup, lookup_kind
 from draftctl.errors import DraftctlError
@@ -84,6 +85,8 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
         raise DraftctlError("no controllers to benchmark: pass --controllers SPEC,...")
     if len(set(specs)) != len(specs):
         raise DraftctlError(f"a controller is listed twice in {', '.join(specs)}")
+    if cfg.kernels not in ("stock", "packed"):
+        raise DraftctlError(f"unknown kernels {cfg.kernels!r}: use stock or packed")
     if cfg.drafter is not None:
         raise DraftctlError("--engine hf drafts with the draft model; --drafter applies to "
                             "draftctl's own engine")
@@ -105,6 +108,14 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
                   for spec, drafter in named.items()}
     drafts = {name: load_model(name, target.device, setup.draft_dtype, target=target)
               for name in dict.fromkeys([draft_spec, *drafter_of.values()])}
+    model, assistants = target.model, {name: d.model for name, d in drafts.items()}
+    if cfg.kernels == "packed":
+        for m in (model, *assistants.values()):
+            reason = kernels.packable(m)
+            if reason:
+                raise DraftctlError(f"--kernels packed: {reason}")
+        model = kernels.packed_view(model)
+        assistants = {name: kernels.packed_view(m) for name, m in assistants.items()}
     greedy = cfg.temperature == 0
     eos = frozenset(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else \
@@ -125,12 +136,12 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
         torch.manual_seed(seed)
         if spec == "none":
             start = time.perf_counter()
-            output = target.model.generate(tensor, attention_mask=torch.ones_like(tensor),
+            output = model.generate(tensor, attention_mask=torch.ones_like(tensor),
                                            **call)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             return output, [], time.perf_counter() - start
-        result = hf.run(target.model, tensor, drafts[drafter_of[spec]].model,
+        result = hf.run(model, tensor, assistants[drafter_of[spec]],
                         controller=split_drafter(spec)[0], max_draft=cfg.max_draft,
                         lookup=lookup_of.get(spec), beta=False, features=False,
                         attention_mask=torch.ones_like(tensor), **call)
@@ -166,6 +177,7 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
     report["engine"] = "transformers"
     report["pass_shape"], report["bit_exact"] = "free", False
     report["transformers"] = hf.transformers.__version__
+    report["kernels"] = cfg.kernels
     for row in report["controllers"]:
         spec = row["spec"]
         if hf.own_schedule_is_lookup(split_drafter(spec)[0]):

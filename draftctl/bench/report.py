@@ -33,7 +33,8 @@ def setup_line(report: dict) -> str:
     """The dtypes and pass shape a bench ran with, and what 'vs fast' compares against."""
     if "target_dtype" not in report:
         return ""
-    line = (f"target {report['target_dtype']}, pass shape {report['pass_shape']} "
+    packed = ", linear layers packed for oneDNN" if report.get("kernels") == "packed" else ""
+    line = (f"target {report['target_dtype']}, pass shape {report['pass_shape']}{packed} "
             f"({'bit-exact' if report['bit_exact'] else 'not bit-exact'}); draft "
             f"{report['draft_dtype']}. 'vs AR': plain decoding with the same dtype and pass "
             "shape (the lossless comparison)")

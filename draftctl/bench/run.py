@@ -45,6 +45,9 @@ class BenchConfig(DecodingOptions):
     fastest_ar: bool = True
     # draftctl: draftctl's own decoder; hf: transformers' generate() (draftctl.bench.hf_engine)
     engine: str = "draftctl"
+    # --engine hf only: stock (transformers' linear kernels) or packed (every model's linear
+    # layers on oneDNN with packed weights, draftctl.decode.kernels.packed_view; CPU)
+    kernels: str = "stock"
     # timed passes over each prompt, each in another rotated order; a run's time is its
     # fastest pass, so a stall of the machine during one pass does not count
     repeats: int = 1
@@ -194,6 +197,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         return run_bench_hf(cfg, progress)
     if cfg.engine != "draftctl":
         raise DraftctlError(f"unknown engine {cfg.engine!r}: use draftctl or hf")
+    if cfg.kernels != "stock":
+        raise DraftctlError(f"--kernels {cfg.kernels} applies to --engine hf; draftctl's "
+                            "decoder chooses its kernels with --pass-shape (exact: "
+                            "row-invariant packed kernels)")
     specs = expand_specs(cfg.controllers or list(DEFAULT_CONTROLLERS))
     if not specs:
         raise DraftctlError("no controllers to benchmark: pass --controllers SPEC,...")

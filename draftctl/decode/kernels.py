@@ -79,11 +79,17 @@ AttentionInterface.register(ATTENTION, query_block_attention)
 
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` computed by oneDNN with its weight packed once. It shares the original
-    parameters (tied weights stay tied); the packed copy is for inference only."""
+    parameters (tied weights stay tied); the packed copy is for inference only.
 
-    def __init__(self, linear: nn.Linear):
+    ``row_invariant`` (the exact view): a row's result does not depend on the product's row
+    count (one row fed as two copies, products of at most ``LINEAR_BLOCK`` rows). Without it
+    (the packed view, for speed only): one row goes through the stock kernel, which is the
+    fastest there, and any more through one oneDNN product."""
+
+    def __init__(self, linear: nn.Linear, row_invariant: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.row_invariant = row_invariant
         self.weight = linear.weight
         self.bias = linear.bias
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
@@ -92,7 +98,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= LINEAR_BLOCK:  # one product: no split, no copy by cat
+        if not self.row_invariant:
+            if rows.shape[0] == 1:
+                return F.linear(x, self.weight.detach(), bias)
+            y = self._onednn(rows, bias)
+        elif rows.shape[0] <= LINEAR_BLOCK:  # one product: no split, no copy by cat
             y = self._product(rows, bias)
         else:
             y = torch.cat([self._product(block, bias) for block in rows.split(LINEAR_BLOCK)])
@@ -102,29 +112,56 @@ class PackedLinear(nn.Module):
         single = rows.shape[0] == 1
         if single:  # oneDNN's one-row kernel rounds differently: compute it as a 2-row product
             rows = rows.expand(2, -1)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        y = self._onednn(rows, bias)
         return y[:1] if single else y
+
+    def _onednn(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
 
 
 def supported(model: nn.Module) -> str | None:
     """Why this model cannot have a row-invariant view here, or None if it can."""
-    param = next(model.parameters())
-    if param.device.type != "cpu":
-        return f"the exact pass shape runs on CPU only (the model is on {param.device.type}); " \
-               "use fixed:M"
-    if not torch.backends.mkldnn.is_available():
-        return "the exact pass shape needs oneDNN (torch.backends.mkldnn), which this torch " \
-               "build lacks; use fixed:M"
-    if param.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "this CPU has no bfloat16 oneDNN kernels for the exact pass shape; use fixed:M"
-    if param.dtype not in (torch.float32, torch.bfloat16):
-        return f"the exact pass shape supports float32 and bfloat16, not {param.dtype}"
+    reason = _packing(model, "the exact pass shape")
+    if reason:
+        return f"{reason}; use fixed:M"
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
         return "the exact pass shape needs a model with SDPA attention"
     return None
 
 
+def packable(model: nn.Module) -> str | None:
+    """Why this model's linear layers cannot be packed here (``packed_view``), or None."""
+    return _packing(model, "packed linear layers")
+
+
+def _packing(model: nn.Module, what: str) -> str | None:
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        return f"{what} run on CPU only (the model is on {param.device.type})"
+    if not torch.backends.mkldnn.is_available():
+        return f"{what} need oneDNN (torch.backends.mkldnn), which this torch build lacks"
+    if param.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return f"this CPU has no bfloat16 oneDNN kernels for {what}"
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        return f"{what} support float32 and bfloat16, not {param.dtype}"
+    return None
+
+
 _VIEWS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def _view(model: nn.Module, row_invariant: bool) -> nn.Module:
+    """A copy of the model's modules and config sharing its parameters and buffers (not
+    copied), each ``nn.Linear`` replaced by a ``PackedLinear``."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    view = copy.deepcopy(model, shared)
+    for module in list(view.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child, row_invariant))
+    view.eval()
+    return view
 
 
 def row_invariant_view(model: nn.Module) -> nn.Module:
@@ -139,13 +176,27 @@ def row_invariant_view(model: nn.Module) -> nn.Module:
     reason = supported(model)
     if reason:
         raise DecodeInputError(reason)
-    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    view = copy.deepcopy(model, shared)
-    for module in list(view.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+    view = _view(model, row_invariant=True)
     view.config._attn_implementation = ATTENTION
-    view.eval()
     _VIEWS[model] = view
+    return view
+
+
+def packed_view(model: nn.Module) -> nn.Module:
+    """The model with its linear layers on oneDNN with packed weights, for speed, not
+    exactness: a pass of one token runs as before, a pass of several in one oneDNN product,
+    which on a CPU without bfloat16 matrix units costs far less than the stock kernel's (AVX2,
+    float32: a pass of 2 to 4 tokens 0.65x the stock one's, ``benchmarks/packed_linear.py``).
+    That is the pass that verifies a draft, so speculation inside transformers' ``generate()``
+    pays more. It is a model like the original (``generate()`` included) sharing its
+    parameters; attention stays the model's own. Made once per model."""
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        return model  # already a view
+    view = _PACKED.get(model)
+    if view is not None:
+        return view
+    reason = packable(model)
+    if reason:
+        raise DecodeInputError(reason)
+    view = _PACKED[model] = _view(model, row_invariant=False)
     return view
