@@ -185,8 +185,9 @@ def row_invariant_view(model: nn.Module) -> nn.Module:
 def packed_view(model: nn.Module) -> nn.Module:
     """The model with its linear layers on oneDNN with packed weights, for speed, not
     exactness: a pass of one token runs as before, a pass of several in one oneDNN product,
-    which on a CPU without bfloat16 matrix units costs far less than the stock kernel's (AVX2,
-    float32: a pass of 2 to 4 tokens 0.65x the stock one's, ``benchmarks/packed_linear.py``).
+    which can cost far less than the stock kernel's (measured on an AVX2 CPU in float32: a
+    pass of 2 to 16 tokens 0.53-0.70x the stock one's; ``benchmarks/packed_linear.py`` times
+    it on any CPU).
     That is the pass that verifies a draft, so speculation inside transformers' ``generate()``
     pays more. It is a model like the original (``generate()`` included) sharing its
     parameters; attention stays the model's own. Made once per model."""
