@@ -151,16 +151,27 @@ _VIEWS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDiction
 _PACKED: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
-def _view(model: nn.Module, row_invariant: bool) -> nn.Module:
-    """A copy of the model's modules and config sharing its parameters and buffers (not
-    copied), each ``nn.Linear`` replaced by a ``PackedLinear``."""
+def _view(model: nn.Module, row_invariant: bool,
+          views: weakref.WeakKeyDictionary[nn.Module, nn.Module], reason: str | None) -> nn.Module:
+    """The model's view, made once (kept in ``views``): a copy of its modules and config
+    sharing its parameters and buffers (not copied), each ``nn.Linear`` replaced by a
+    ``PackedLinear``; the row-invariant one attends through ``query_block_attention``.
+    ``reason``: why the model cannot have it (refused), or None."""
+    view = views.get(model)
+    if view is not None:
+        return view
+    if reason:
+        raise DecodeInputError(reason)
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     view = copy.deepcopy(model, shared)
     for module in list(view.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, PackedLinear(child, row_invariant))
+    if row_invariant:
+        view.config._attn_implementation = ATTENTION
     view.eval()
+    views[model] = view
     return view
 
 
@@ -170,16 +181,7 @@ def row_invariant_view(model: nn.Module) -> nn.Module:
     is left as it was, so plain and padded passes over it keep their speed."""
     if getattr(model.config, "_attn_implementation", None) == ATTENTION:
         return model  # already a view
-    view = _VIEWS.get(model)
-    if view is not None:
-        return view
-    reason = supported(model)
-    if reason:
-        raise DecodeInputError(reason)
-    view = _view(model, row_invariant=True)
-    view.config._attn_implementation = ATTENTION
-    _VIEWS[model] = view
-    return view
+    return _view(model, True, _VIEWS, supported(model))
 
 
 def packed_view(model: nn.Module) -> nn.Module:
@@ -187,17 +189,9 @@ def packed_view(model: nn.Module) -> nn.Module:
     exactness: a pass of one token runs as before, a pass of several in one oneDNN product,
     which can cost far less than the stock kernel's (measured on an AVX2 CPU in float32: a
     pass of 2 to 16 tokens 0.53-0.70x the stock one's; ``benchmarks/packed_linear.py`` times
-    it on any CPU).
-    That is the pass that verifies a draft, so speculation inside transformers' ``generate()``
-    pays more. It is a model like the original (``generate()`` included) sharing its
-    parameters; attention stays the model's own. Made once per model."""
+    it on any CPU). That is the pass that verifies a draft, so speculation inside
+    transformers' ``generate()`` pays more. It is a model like the original (``generate()``
+    included) sharing its parameters; attention stays the model's own. Made once per model."""
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         return model  # already a view
-    view = _PACKED.get(model)
-    if view is not None:
-        return view
-    reason = packable(model)
-    if reason:
-        raise DecodeInputError(reason)
-    view = _PACKED[model] = _view(model, row_invariant=False)
-    return view
+    return _view(model, False, _PACKED, packable(model))
