@@ -9,6 +9,8 @@ shipped feature draft). Each prompt is run by all of them in a rotated order aft
 warm-up, ``repeats`` times with each run's fastest pass kept, as ``draftctl bench`` does.
 Verification is transformers' own in every run; the passes are transformers' (unpadded), so
 greedy outputs are compared with plain ``generate()``, not with draftctl's bit-exact shapes.
+``kernels="packed"`` runs every row, plain ``generate()`` included, on the models' packed views
+(``draftctl.decode.kernels.packed_view``).
 Under sampling every run of a prompt starts from the same seed."""
 
 from __future__ import annotations
@@ -136,8 +138,7 @@ def run_bench_hf(cfg: BenchConfig, progress: bool = True) -> dict:
         torch.manual_seed(seed)
         if spec == "none":
             start = time.perf_counter()
-            output = model.generate(tensor, attention_mask=torch.ones_like(tensor),
-                                           **call)
+            output = model.generate(tensor, attention_mask=torch.ones_like(tensor), **call)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             return output, [], time.perf_counter() - start
