@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import itertools
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -152,14 +153,16 @@ _PACKED: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictio
 
 
 def _view(model: nn.Module, row_invariant: bool,
-          views: weakref.WeakKeyDictionary[nn.Module, nn.Module], reason: str | None) -> nn.Module:
+          views: weakref.WeakKeyDictionary[nn.Module, nn.Module],
+          refusal: Callable[[nn.Module], str | None]) -> nn.Module:
     """The model's view, made once (kept in ``views``): a copy of its modules and config
     sharing its parameters and buffers (not copied), each ``nn.Linear`` replaced by a
     ``PackedLinear``; the row-invariant one attends through ``query_block_attention``.
-    ``reason``: why the model cannot have it (refused), or None."""
+    ``refusal``: why a model cannot have it (None if it can), asked only when it is made."""
     view = views.get(model)
     if view is not None:
         return view
+    reason = refusal(model)
     if reason:
         raise DecodeInputError(reason)
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
@@ -181,7 +184,7 @@ def row_invariant_view(model: nn.Module) -> nn.Module:
     is left as it was, so plain and padded passes over it keep their speed."""
     if getattr(model.config, "_attn_implementation", None) == ATTENTION:
         return model  # already a view
-    return _view(model, True, _VIEWS, supported(model))
+    return _view(model, True, _VIEWS, supported)
 
 
 def packed_view(model: nn.Module) -> nn.Module:
@@ -194,4 +197,4 @@ def packed_view(model: nn.Module) -> nn.Module:
     included) sharing its parameters; attention stays the model's own. Made once per model."""
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         return model  # already a view
-    return _view(model, False, _PACKED, packable(model))
+    return _view(model, False, _PACKED, packable)
