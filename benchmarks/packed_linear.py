@@ -1,7 +1,7 @@
 """The target's pass cost over n new tokens: stock linear kernels vs the packed view.
 
-``draftctl.decode.kernels.packed_view`` runs a pass of two or more tokens through oneDNN with
-packed weights (one token stays on the stock kernel). This times the built-in target (unless
+``draftctl.decode.kernels.packed_view`` runs every pass through oneDNN with packed weights.
+This times the built-in target (unless
 --target) through transformers' own forward with a ``DynamicCache``, as ``generate()`` runs
 it, for n = 1..16 new tokens after a --context-token prompt, stock and packed interleaved
 pass by pass (the fastest of --repeats each). Prints and writes JSON with the ms per pass,

@@ -50,6 +50,9 @@ from draftctl.models import (
 )
 
 FORMAT = "draftctl-profile/1"
+# what calibrate times, revised when that changes (2: a draft model steps on its packed view,
+# as model_drafter drafts), so that profiles saved before are measured again
+MEASUREMENT = 2
 MIN_ROWS = 2  # a fixed shape of one row would verify each draft token in a pass of its own
 
 
@@ -415,10 +418,12 @@ def device_name(device: torch.device) -> str:
 
 
 def default_path(target: str, draft: str | None, device: torch.device) -> Path:
-    """Where the profile of this pair on this device and thread count lives."""
+    """Where the profile of this pair on this device and thread count lives (measured by
+    this ``MEASUREMENT``)."""
     key = "|".join(str(x) for x in (target, model_file_sha256(target), draft,
                                     draft and model_file_sha256(draft), device_name(device),
-                                    device.type, torch.get_num_threads(), torch.__version__))
+                                    device.type, torch.get_num_threads(), torch.__version__,
+                                    MEASUREMENT))
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     name = f"{_slug(target)}--{_slug(draft or 'none')}--{device.type}-" \
            f"{torch.get_num_threads()}t-{digest}.json"

@@ -123,6 +123,42 @@ def test_distill_feature_draft_end_to_end(tmp_path):
                                      "out": str(tmp_path / "bad")}))
 
 
+def test_a_loaded_draft_drafts_on_its_packed_view_on_a_cpu(tiny_models):
+    """``model_drafter`` runs a CPU draft, a feature draft or a causal LM, on its packed view
+    (``kernels.packed_view``: the draft's own parameters, logits equal to rounding), and the
+    decode stays lossless; a draft the view cannot take (float16) drafts as it is."""
+    from draftctl.decode import kernels
+    from draftctl.drafters import model_drafter
+    from draftctl.models import LoadedModel
+
+    target, draft = tiny_models
+    if kernels.packable(draft):
+        pytest.skip(kernels.packable(draft))
+    plain = make_decoder(target, None, max_new_tokens=20)
+    sampling = plain.config.sampling
+    features = feature_draft(target)
+    loaded = {name: LoadedModel(name, model, None, torch.device("cpu"), torch.float32)
+              for name, model in (("feature", features), ("model", draft))}
+    drafters = {name: model_drafter(m, 97, sampling) for name, m in loaded.items()}
+    assert drafters["feature"].model is kernels.packed_view(features)
+    assert drafters["model"].lm.model is kernels.packed_view(draft)
+    assert drafters["feature"].model.head.weight is features.head.weight
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        torch.testing.assert_close(drafters["model"].lm.model(ids).logits, draft(ids).logits)
+    for name, drafter in drafters.items():
+        decoder = make_decoder(target, drafter, max_new_tokens=20)
+        for prompt in PROMPTS:
+            reference = generate(plain, prompt, make_controller("none")).output_ids
+            result = generate(decoder, prompt, make_controller("static:3"))
+            assert result.output_ids == reference, name
+            assert sum(r.drafted for r in result.rounds) > 0, name
+    half = LoadedModel("half", tiny_pair(vocab_size=97)[1].to(torch.float16), None,
+                       torch.device("cpu"), torch.float16)
+    assert not isinstance(model_drafter(half, 97, sampling).lm.model.lm_head,
+                          kernels.PackedLinear)
+
+
 def test_dense_continuations_of_a_feature_draft_equal_its_live_drafts(tiny_models):
     """Dense traces of a feature draft: the batched continuation after every prefix equals
     what the drafter proposes there in a live round (tokens and statistics)."""

@@ -84,8 +84,7 @@ class PackedLinear(nn.Module):
 
     ``row_invariant`` (the exact view): a row's result does not depend on the product's row
     count (one row fed as two copies, products of at most ``LINEAR_BLOCK`` rows). Without it
-    (the packed view, for speed only): one row goes through the stock kernel, which is the
-    fastest there, and any more through one oneDNN product."""
+    (the packed view, for speed only): any number of rows in one oneDNN product."""
 
     def __init__(self, linear: nn.Linear, row_invariant: bool = True):
         super().__init__()
@@ -100,8 +99,6 @@ class PackedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         rows = x.reshape(-1, x.shape[-1])
         if not self.row_invariant:
-            if rows.shape[0] == 1:
-                return F.linear(x, self.weight.detach(), bias)
             y = self._onednn(rows, bias)
         elif rows.shape[0] <= LINEAR_BLOCK:  # one product: no split, no copy by cat
             y = self._product(rows, bias)
@@ -189,12 +186,14 @@ def row_invariant_view(model: nn.Module) -> nn.Module:
 
 def packed_view(model: nn.Module) -> nn.Module:
     """The model with its linear layers on oneDNN with packed weights, for speed, not
-    exactness: a pass of one token runs as before, a pass of several in one oneDNN product,
-    which can cost far less than the stock kernel's (measured on an AVX2 CPU in float32: a
-    pass of 2 to 16 tokens 0.53-0.70x the stock one's; ``benchmarks/packed_linear.py`` times
-    it on any CPU). That is the pass that verifies a draft, so speculation inside
-    transformers' ``generate()`` pays more. It is a model like the original (``generate()``
-    included) sharing its parameters; attention stays the model's own. Made once per model."""
+    exactness: every pass in one oneDNN product per layer, which can cost far less than the
+    stock kernel's for several tokens and no more for one (measured on an AVX2 CPU in
+    float32: a pass of 2 to 16 tokens 0.54-0.80x the stock one's, of one 0.94x;
+    ``benchmarks/packed_linear.py`` times it on any CPU). A pass of several tokens verifies
+    a draft, so speculation inside transformers' ``generate()`` pays more; a draft model's
+    steps cost less (``drafters.model_drafter`` drafts on this view). It is a model like the
+    original (``generate()`` included) sharing its parameters; attention stays the model's
+    own. Made once per model."""
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         return model  # already a view
     return _view(model, False, _PACKED, packable)

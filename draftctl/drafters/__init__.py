@@ -29,21 +29,25 @@ MODEL = "model"  # the draft model (--draft)
 def model_drafter(draft: LoadedModel, vocab_size: int, sampling: SamplingConfig,
                   lookup: LookupConfig | None = None) -> Drafter:
     """The drafter for a loaded draft model: a feature-level draft reads the target's states,
-    any other causal LM drafts on its own; ``lookup`` mixes in context lookup."""
+    any other causal LM drafts on its own; ``lookup`` mixes in context lookup. On a CPU the
+    draft runs on its packed view (``kernels.packed_view``): a draft's numerics never change
+    what verification accepts, and its steps cost less there."""
+    from draftctl.decode import kernels
     from draftctl.decode.cached_lm import CachedLM
     from draftctl.distill.feature import FeatureDraftLM
 
-    if isinstance(draft.model, FeatureDraftLM):
+    model = draft.model if kernels.packable(draft.model) else kernels.packed_view(draft.model)
+    if isinstance(model, FeatureDraftLM):
         from draftctl.drafters.feature import FeatureDrafter
 
-        return FeatureDrafter(draft.model, vocab_size, sampling, lookup=lookup)
+        return FeatureDrafter(model, vocab_size, sampling, lookup=lookup)
     from draftctl.distill.model import DraftLM
     from draftctl.drafters.model import ModelDrafter
 
-    if isinstance(draft.model, DraftLM):  # draft over its head only (q is 0 elsewhere)
-        return ModelDrafter(CachedLM(draft.model, vocab_size, model_kwargs={"head_only": True}),
-                            sampling, head_ids=draft.model.head_ids, lookup=lookup)
-    return ModelDrafter(CachedLM(draft.model, vocab_size), sampling, lookup=lookup)
+    if isinstance(model, DraftLM):  # draft over its head only (q is 0 elsewhere)
+        return ModelDrafter(CachedLM(model, vocab_size, model_kwargs={"head_only": True}),
+                            sampling, head_ids=model.head_ids, lookup=lookup)
+    return ModelDrafter(CachedLM(model, vocab_size), sampling, lookup=lookup)
 
 
 @dataclass(frozen=True)

@@ -57,18 +57,19 @@ class FeatureDrafter:
         self.entries = entries
 
     def _step(self, tokens: torch.Tensor, features: torch.Tensor, own: bool) -> tuple:
-        """Feed positions entries + 1 .. entries + n; (outputs (n, H), head logits (n, K))."""
+        """Feed positions entries + 1 .. entries + n; (outputs (n, H), the last position's
+        head logits (1, K))."""
         n, start = len(tokens), self.entries
         positions = torch.arange(start + 1, start + 1 + n, device=self.device)
         mask = None
         if n > 1:  # causal over the cache and the new rows
             keys = torch.arange(start + n, device=self.device)
             mask = (keys[None, :] <= (positions - 1)[:, None])[None, None]
-        out, logits = self.model(tokens[None], features[None], own=own, cache=self.cache,
-                                 position_ids=positions[None], attention_mask=mask)
+        out, _ = self.model(tokens[None], features[None], own=own, cache=self.cache,
+                            position_ids=positions[None], attention_mask=mask, logits=False)
         self.forwards += 1
         self.entries += n
-        return out[0], logits[0]
+        return out[0], self.model.head_logits(out[0, -1:])
 
     @torch.inference_mode()
     def propose(self, seq: torch.Tensor, budget: int, controller: Controller,
@@ -87,7 +88,7 @@ class FeatureDrafter:
                 out, logits = self._step(previous, feature, own=True)
             feature = out[-1:]
             # (1, K) logits: q is 0 off the head
-            return self.picker.pick(logits[-1:], generator, self.token_classes, [match])
+            return self.picker.pick(logits, generator, self.token_classes, [match])
 
         return draft_chain(pick_next, seq, budget, controller, state, self.picker.lookup,
                            self.vocab_size, self.token_classes)
@@ -108,10 +109,11 @@ class FeatureDrafter:
         device = seq.device
         n_out = len(seq) - n_prompt
         self.reset()
-        out, logits = self._step(seq[1:-1], hidden[:-1], own=False)  # positions 1 .. L - 2
+        out, _ = self._step(seq[1:-1], hidden[:-1], own=False)  # positions 1 .. L - 2
         base = self.entries
         first = n_prompt - 2 + torch.arange(n_out, device=device)  # entry of each branch
-        feature, logits = out[first], logits[first]
+        feature = out[first]
+        logits = self.model.head_logits(feature)
         prefix_ok = torch.arange(base, device=device)[None, :] <= first[:, None]
         own = torch.eye(n_out, dtype=torch.bool, device=device)
         host = seq.tolist()
