@@ -4,10 +4,9 @@
 This times the built-in target (unless --target) through transformers' own forward with a
 ``DynamicCache``, as ``generate()`` runs it, for n = 1..16 new tokens after a
 --context-token prompt, stock and packed interleaved pass by pass (the fastest of --repeats
-each). Prints and writes JSON with the ms per pass,
-the packed / stock ratio per n, the prompt's prefill both ways, and the largest logit
-difference between the two (the view is for speed, not exactness). Dtypes the CPU lacks
-are reported as skipped.
+each). Prints and writes JSON with the ms per pass, the packed / stock ratio per n, the
+prompt's prefill both ways, and the largest logit difference between the two (the view is
+for speed, not exactness). Dtypes the CPU lacks are reported as skipped.
 
     python benchmarks/packed_linear.py [--dtypes float32,bfloat16] [--repeats 7]
 """
