@@ -141,13 +141,13 @@ class FeatureCandidateGenerator(CandidateGenerator):
 
     def __init__(self, draft, controller: Controller, vocab_size: int, max_draft: int,
                  max_length: int, sampling, token_classes: torch.Tensor | None,
-                 lookup: LookupConfig | None = None):
+                 lookup: LookupConfig | None = None, logits: bool = True):
         from draftctl.drafters.feature import FeatureDrafter
 
         self.drafter = FeatureDrafter(draft, vocab_size, sampling, token_classes, lookup)
         self.model_kwargs_overrides = {"output_hidden_states": list(draft.feature_layers)}
         self.controller, self.vocab_size, self.max_draft = controller, vocab_size, max_draft
-        self.max_length = max_length
+        self.max_length, self.logits = max_length, logits
         # seeded from torch's global generator: a torch.manual_seed before generate() repeats
         self.generator = torch.Generator(self.drafter.device).manual_seed(
             int(torch.randint(2 ** 62, ())))
@@ -187,8 +187,10 @@ class FeatureCandidateGenerator(CandidateGenerator):
         self.records = draft.records if draft.records is not None else records_from_stats(
             draft.stats.tolist(), self.state)
         self.raw_probs = list(draft.raw_probs)
-        q = draft.q_draft if draft.q_draft is not None else draft.raw_probs
         candidates = torch.cat([input_ids, draft.tokens[None].to(input_ids.device)], dim=1)
+        if not self.logits:
+            return candidates, None
+        q = draft.q_draft if draft.q_draft is not None else draft.raw_probs
         return candidates, torch.log(q)[None].to(input_ids.device)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor,
@@ -474,10 +476,12 @@ def run(model, input_ids: torch.Tensor, assistant_model,
 
     def candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
                             model_kwargs, assistant_model=None, **kwargs):
-        if feature:
+        if feature:  # greedy verification reads no candidate logits, unless it ensembles
+            logits = generation_config.do_sample or getattr(
+                generation_config, "assistant_ensemble_weight", None) is not None
             inner = FeatureCandidateGenerator(assistant_model, controller, target_vocab,
                                               max_draft, generation_config.max_length,
-                                              sampling, classes, lookup_config)
+                                              sampling, classes, lookup_config, logits)
         elif controller is None:
             inner = own(self, generation_config, input_ids, inputs_tensor, logits_processor,
                         model_kwargs, assistant_model=assistant_model, **kwargs)

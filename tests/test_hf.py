@@ -177,6 +177,40 @@ def test_a_feature_draft_drafts_inside_generate_from_the_targets_states(pair):
         hf.run(target, PROMPT, draft, controller="hf:constant:3", max_new_tokens=4)
 
 
+def test_a_feature_draft_gives_candidate_logits_only_where_verification_reads_them(
+        pair, monkeypatch):
+    """Greedy verification compares tokens, so a feature draft's rounds hand generate() no
+    candidate logits (the logarithm over the vocabulary is skipped) and the output still
+    equals plain generate(); sampling, and greedy decoding with transformers' assistant
+    ensemble, get log q of every drafted token over the vocabulary."""
+    target, _ = pair
+    draft = feature.from_target(target, torch.arange(97), (1, 2))
+    handed = []
+    own = hf.FeatureCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, **kwargs):
+        ids, logits = own(self, input_ids, **kwargs)
+        if ids.shape[1] > input_ids.shape[1]:  # a round that drafted
+            handed.append((ids.shape[1] - input_ids.shape[1], logits))
+        return ids, logits
+
+    monkeypatch.setattr(hf.FeatureCandidateGenerator, "get_candidates", spy)
+    plain = target.generate(PROMPT, max_new_tokens=20, do_sample=False)
+    for kwargs, wanted in [({"do_sample": False}, False),
+                           ({"do_sample": True, "temperature": 1.0}, True),
+                           ({"do_sample": False, "assistant_ensemble_weight": 0.5}, True)]:
+        handed.clear()
+        result = hf.run(target, PROMPT, draft, controller="static:3", max_new_tokens=20,
+                        **kwargs)
+        assert handed
+        if not wanted:
+            assert all(logits is None for _, logits in handed)
+            assert torch.equal(result.output, plain)
+        else:
+            assert all(logits is not None and logits.shape == (1, n, 97)
+                       for n, logits in handed)
+
+
 def test_a_feature_draft_mixed_with_context_lookup_drafts_inside_generate(pair):
     """``lookup="model+lookup,..."`` mixes the feature draft's q with context lookup inside
     generate(), as draftctl's decoder does: greedy output equals plain generate() and the
