@@ -8,10 +8,11 @@ import torch
 from draftctl.controllers import make_controller
 from draftctl.decode import generate
 from draftctl.decode.cached_lm import CachedLM
-from draftctl.decode.features import SequenceState
+from draftctl.decode.features import SequenceState, draft_stats
 from draftctl.decode.verify import SamplingConfig
 from draftctl.drafters import parse_drafter
-from draftctl.drafters.context import LookupConfig, find_match
+from draftctl.drafters.base import looked_up
+from draftctl.drafters.context import LookupConfig, Match, find_match
 from draftctl.drafters.feature import FeatureDrafter
 from draftctl.drafters.lookup import LookupDrafter
 from draftctl.drafters.model import ModelDrafter
@@ -72,6 +73,24 @@ def test_every_lookup_drafter_is_lossless_in_greedy_decoding():
                 assert result.output_ids == expected, (name, spec)
                 found += sum(f.suffix_len > 0 for r in result.rounds for f in r.features)
         assert found > 0, name
+
+
+def test_a_looked_up_token_is_described_by_the_shares_of_its_continuations():
+    """A looked-up draft token has q = 1 on it and its raw distribution is the shares of the
+    tokens that followed the match; its statistics, read from those few tokens, equal the
+    statistics of the whole-vocabulary row."""
+    classes = torch.randint(0, 4, (97,), dtype=torch.int8)
+    for following, token in [([7, 3, 7, 9, 7], 7), ([42], 42), ([5, 60, 5, 60], 60)]:
+        match = Match(token, 2, np.array(following))
+        picked = looked_up(match, 97, torch.device("cpu"), classes)
+        assert picked.tokens.tolist() == [token]
+        assert picked.q.shape == (1, 97) and picked.q[0, token] == 1 and picked.q.sum() == 1
+        counts = np.bincount(following, minlength=97) / len(following)
+        assert torch.allclose(picked.raw[0], torch.tensor(counts, dtype=torch.float32))
+        whole = draft_stats(picked.raw, picked.tokens, picked.tokens, classes,
+                            torch.tensor([match.stats(token)]))
+        assert torch.allclose(picked.stats, whole, atol=1e-7)
+        assert picked.stats[0, -3:].tolist() == pytest.approx([2, len(following), counts[token]])
 
 
 def test_the_mixture_drafts_the_looked_up_token_and_records_the_match():

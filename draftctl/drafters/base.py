@@ -150,16 +150,19 @@ class TokenPicker:
 def looked_up(match: Match, vocab_size: int, device: torch.device,
               classes: torch.Tensor | None) -> Picked:
     """The looked-up token as a draft token of its own: q = 1 there; its record describes the
-    shares of the continuations."""
+    shares of the continuations (its statistics are read from the few tokens that follow,
+    the rest of the vocabulary having share 0)."""
     values, counts = np.unique(match.following, return_counts=True)
+    ids = torch.as_tensor(values, device=device)
+    share = torch.as_tensor(counts / counts.sum(), dtype=torch.float32, device=device)[None]
     shares = torch.zeros((1, vocab_size), device=device)
-    shares[0, torch.as_tensor(values, device=device)] = torch.as_tensor(
-        counts / counts.sum(), dtype=torch.float32, device=device)
+    shares[0, ids] = share[0]
     token = torch.tensor([match.token], device=device)
     q = torch.zeros_like(shares)
     q[0, match.token] = 1.0
+    column = torch.tensor([int(np.searchsorted(values, match.token))], device=device)
     lookup = torch.tensor([match.stats(match.token)], device=device)
-    return Picked(token, shares, q, draft_stats(shares, token, token, classes, lookup))
+    return Picked(token, shares, q, draft_stats(share, column, token, classes, lookup))
 
 
 def draft_chain(pick_next: Callable[[torch.Tensor | None, Match | None], Picked | None],
