@@ -8,19 +8,21 @@ import torch
 
 from draftctl.bench import run as bench_run
 from draftctl.bench.report import mismatch_notice, setup_line
-from draftctl.bench.run import BenchConfig, Run, keep_fastest, run_bench
+from draftctl.bench.run import BenchConfig, Run, keep_fastest, modelled_seconds, run_bench
 from draftctl.cli import main
-from draftctl.collect.run import CollectConfig, run_collect
+from draftctl.collect.run import CollectConfig, profile_costs, run_collect
 from draftctl.collect.traces import read_traces
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate, loop, verify
-from draftctl.decode.loop import GenerationResult
+from draftctl.decode.cached_lm import PassShape
+from draftctl.decode.loop import GenerationResult, RoundRecord
 from draftctl.errors import DraftctlError
 from draftctl.export.onnx import export_onnx
 from draftctl.models import encode_prompt, load_model
+from draftctl.profile import settle
 from draftctl.prompts import load_prompts
 from draftctl.retrieval.datastore import SEPARATOR, tokenizer_sha256, write_datastore
-from draftctl.train.replay import replay
+from draftctl.train.replay import CostModel, replay
 from draftctl.train.run import TrainConfig, run_train
 from tests.test_collect import pair  # noqa: F401  (module fixture: tiny target, draft, prompts)
 
@@ -65,6 +67,56 @@ def test_bench_writes_every_output_with_the_documented_fields(pair, tmp_path, ca
     assert len(choice["accept_lengths"]) == choice["decoding_steps"][0]
     assert "| `oracle` |" in (out / "report.md").read_text()
     assert "mismatch" in capsys.readouterr().out
+
+
+def test_a_rows_modelled_time_is_its_rounds_at_the_profiles_costs():
+    """Each round costs its draft steps and one verification pass of its drafts plus one
+    token at the pass shape (here fixed:2, so 3 new tokens take two passes)."""
+    cost = CostModel(t_draft=0.01, t_verify=(0.1, 0.12, 0.2), shape=PassShape.parse("fixed:2"))
+
+    def round_of(drafted: int, forwards: int) -> RoundRecord:
+        return RoundRecord(0, [5] * drafted, [], 0, [], [], [], [5], 0, forwards, 0.0, 0.0,
+                           0.0, 0)
+
+    result = GenerationResult([1], [5, 5, 5], [round_of(2, 3), round_of(0, 0), round_of(1, 1)],
+                              9.0, 4, 4, "max_new_tokens")
+    assert modelled_seconds(result, cost) == pytest.approx(
+        3 * 0.01 + 2 * 0.12 + 0.12 + 0.01 + 0.12)
+
+
+def test_bench_reports_each_rows_modelled_speedup_with_a_profile(pair, tmp_path, capsys):  # noqa: F811
+    """With a calibrated profile the report gives every row its modelled rate next to the
+    clock's: AR's is one one-token pass per token, a speculative row's lies between its
+    rounds at the cheapest and at the dearest pass plus its draft steps; without a profile
+    the column is empty."""
+    target, draft, _ = pair
+    setup = settle(target, draft, "cpu", "float32", "fixed:4", need_profile=True,
+                   progress=False)
+    out = tmp_path / "modelled"
+    assert main(bench_args(pair, out, "--controllers", "static:2,oracle", "--profile",
+                           str(setup.profile_path), "--no-plots")) == 0
+    report = json.loads((out / "report.json").read_text())
+    cost = CostModel.from_run({"cost": profile_costs(setup, setup.shape)})
+    assert report["ar"]["modelled_tokens_per_s"] == pytest.approx(1 / cost.verify(1))
+    rows = {r["spec"]: r for r in report["controllers"]}
+    for row in rows.values():
+        assert row["modelled_speedup_vs_ar"] == pytest.approx(
+            row["modelled_tokens_per_s"] / report["ar"]["modelled_tokens_per_s"])
+        for cat, group in row["per_category"].items():
+            assert group["modelled_speedup_vs_ar"] > 0, cat
+        seconds = row["new_tokens"] / row["modelled_tokens_per_s"]
+        passes = [cost.verify(n) for n in range(1, 10)]
+        steps = row["draft_forwards"] * cost.t_draft
+        assert steps + row["rounds"] * min(passes) <= seconds + 1e-9
+        assert seconds <= steps + row["rounds"] * max(passes) + 1e-9
+        assert seconds > row["rounds"] * cost.verify(1)
+    assert "modelled" in capsys.readouterr().out
+    assert "| modelled speedup |" in (out / "report.md").read_text()
+    bare = tmp_path / "bare"
+    assert main(bench_args(pair, bare, "--controllers", "static:2", "--no-plots")) == 0
+    report = json.loads((bare / "report.json").read_text())
+    assert report["controllers"][0]["modelled_speedup_vs_ar"] is None
+    assert "'modelled'" not in setup_line(report)
 
 
 def test_bench_exits_non_zero_when_an_output_differs(pair, tmp_path, monkeypatch):  # noqa: F811

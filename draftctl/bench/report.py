@@ -42,6 +42,10 @@ def setup_line(report: dict) -> str:
     if fast:
         line += (f"; 'vs fast': the fastest plain decoding ({fast.get('dtype', '?')}, "
                  f"{fast.get('pass_shape', '?')})")
+    if report.get("ar", {}).get("modelled_tokens_per_s"):
+        line += ("; 'modelled': the speedup over AR that the calibrated profile's pass costs "
+                 "give each row's rounds (prefill left out), which identical decisions keep "
+                 "whatever the clock did")
     repeats = report.get("config", {}).get("repeats", 1)
     if repeats > 1:
         line += f". Each time is the fastest of {repeats} interleaved passes"
@@ -52,22 +56,24 @@ def format_table(report: dict) -> str:
     """Fixed-width table: AR first (and the fastest plain decoding), then each controller."""
     labels = [short_spec(r["spec"]) for r in report["controllers"]]
     w = min(40, max([22, *(len(label) + 1 for label in labels)]))
-    head = (f"{'controller':<{w}}{'tok/s':>8}{'vs AR':>7}{'vs fast':>8}{'tau':>6}{'accept':>8}"
-            f"{'drafted':>9}{'wasted':>8}{'ctrl us':>9}{'mismatch':>9}")
+    head = (f"{'controller':<{w}}{'tok/s':>8}{'vs AR':>7}{'vs fast':>8}{'modelled':>9}"
+            f"{'tau':>6}{'accept':>8}{'drafted':>9}{'wasted':>8}{'ctrl us':>9}{'mismatch':>9}")
     ar, fast = report["ar"], report.get("ar_fastest")
     fast_vs = (lambda tps: tps / fast["tokens_per_s"]) if fast else (lambda tps: None)
+    ar_modelled = 1.0 if ar.get("modelled_tokens_per_s") else None
     lines = [head, "-" * len(head),
              (f"{'none (AR)':<{w}}{ar['tokens_per_s']:>8.1f}{1:>7.2f}"
-              f"{_num(fast_vs(ar['tokens_per_s']), '.2f'):>8}{ar['tau']:>6.2f}"
-              f"{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")]
+              f"{_num(fast_vs(ar['tokens_per_s']), '.2f'):>8}{_num(ar_modelled, '.2f'):>9}"
+              f"{ar['tau']:>6.2f}{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")]
     if fast:
         lines.append(f"{'AR, fastest (' + fast.get('dtype', '?') + ')':<{w}}"
                      f"{fast['tokens_per_s']:>8.1f}{fast['speedup_vs_ar']:>7.2f}{1:>8.2f}"
-                     f"{fast['tau']:>6.2f}{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")
+                     f"{'-':>9}{fast['tau']:>6.2f}{'-':>8}{0:>9}{0:>8}{'-':>9}{'-':>9}")
     for r, label in zip(report["controllers"], labels):
         label = label if len(label) < w else "..." + label[-(w - 4):]
         lines.append(f"{label:<{w}}{r['tokens_per_s']:>8.1f}{r['speedup_vs_ar']:>7.2f}"
                      f"{_num(r.get('speedup_vs_fastest_ar'), '.2f'):>8}"
+                     f"{_num(r.get('modelled_speedup_vs_ar'), '.2f'):>9}"
                      f"{r['tau']:>6.2f}{_num(r['acceptance_rate'], '.2f'):>8}{r['drafted']:>9}"
                      f"{r['wasted']:>8}{_num(r['controller_us_per_call'], '.1f'):>9}"
                      f"{_num(r['mismatches'], 'd'):>9}")
@@ -107,21 +113,24 @@ def write_markdown(report: dict, path: Path) -> None:
              "over plain autoregressive decoding (AR) of the same prompts by the same decoder; "
              f"tau counts the bonus token. {setup_line(report)}")
     fast = report.get("ar_fastest")
-    header = ("| controller | tok/s | speedup | vs fastest AR | tau | acceptance | drafted | "
-              "wasted | target fw | draft fw | controller us/call | mismatches |")
+    header = ("| controller | tok/s | speedup | vs fastest AR | modelled speedup | tau | "
+              "acceptance | drafted | wasted | target fw | draft fw | controller us/call | "
+              "mismatches |")
     ar_row = (f"| none (AR) | {ar['tokens_per_s']:.2f} | 1.00 | "
               f"{_num(ar['tokens_per_s'] / fast['tokens_per_s'] if fast else None, '.3f')} | "
+              f"{'1.000' if ar.get('modelled_tokens_per_s') else '-'} | "
               f"{ar['tau']:.2f} | - | 0 | 0 | {ar['target_forwards']} | 0 | - | - |")
     lines = [f"# draftctl bench: {report['target']} with draft {report['draft'] or '-'}", "",
-             intro, "", header, "|---" * 12 + "|", ar_row]
+             intro, "", header, "|---" * 13 + "|", ar_row]
     if fast:
         lines.append(f"| AR, fastest ({fast.get('dtype', '?')}, {fast.get('pass_shape', '?')})"
-                     f" | {fast['tokens_per_s']:.2f} | {fast['speedup_vs_ar']:.3f} | 1.000 | "
+                     f" | {fast['tokens_per_s']:.2f} | {fast['speedup_vs_ar']:.3f} | 1.000 | - | "
                      f"{fast['tau']:.2f} | - | 0 | 0 | {fast['target_forwards']} | 0 | - | - |")
     for r in report["controllers"]:
         lines.append(
             f"| `{short_spec(r['spec'])}` | {r['tokens_per_s']:.2f} | {r['speedup_vs_ar']:.3f} | "
             f"{_num(r.get('speedup_vs_fastest_ar'), '.3f')} | "
+            f"{_num(r.get('modelled_speedup_vs_ar'), '.3f')} | "
             f"{r['tau']:.2f} | {_num(r['acceptance_rate'], '.3f')} | {r['drafted']} | "
             f"{r['wasted']} | {r['target_forwards']} | {r['draft_forwards']} | "
             f"{_num(r['controller_us_per_call'], '.1f')} | {_num(r['mismatches'], 'd')} |")

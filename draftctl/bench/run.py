@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from draftctl.bench.report import write_answers, write_markdown, write_plots
+from draftctl.collect.run import profile_costs
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.controllers.rules import ReferenceOracle
@@ -21,6 +22,7 @@ from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
 from draftctl.prompts import load_prompts
+from draftctl.train.replay import CostModel
 
 DEFAULT_CONTROLLERS = ("static:1-4", "heuristic", "confidence", "pmin", "svip", "oracle")
 FASTEST = "ar-fastest"  # plain decoding in the fastest dtype, unpadded (not the reference)
@@ -66,16 +68,24 @@ class Run:
     mismatch: bool | None  # None when sampling (outputs legitimately differ)
 
 
-COUNTS = ("new_tokens", "wall_s", "rounds", "drafted", "accepted", "discarded",
+COUNTS = ("new_tokens", "wall_s", "modelled_s", "rounds", "drafted", "accepted", "discarded",
           "target_forwards", "draft_forwards", "controller_s", "controller_calls", "mismatches")
 
 
-def _counts(runs: list[Run]) -> dict:
+def modelled_seconds(result: GenerationResult, cost: CostModel) -> float:
+    """The decoding time the calibrated costs give a generation's rounds: each round's draft
+    steps and its verification pass at the decoder's pass shape (``CostModel.round_time``),
+    prefill left out. It depends on the decisions alone, not on the machine's clock."""
+    return sum(cost.round_time(r.drafted, r.draft_forwards, 0) for r in result.rounds)
+
+
+def _counts(runs: list[Run], cost: CostModel | None = None) -> dict:
     c = dict.fromkeys(COUNTS, 0)
     for run in runs:
         r = run.result
         c["new_tokens"] += r.new_tokens
         c["wall_s"] += r.wall_s
+        c["modelled_s"] += modelled_seconds(r, cost) if cost is not None else 0.0
         c["rounds"] += len(r.rounds)
         c["drafted"] += sum(x.drafted for x in r.rounds)
         c["accepted"] += sum(x.n_accepted for x in r.rounds)
@@ -88,13 +98,20 @@ def _counts(runs: list[Run]) -> dict:
     return c
 
 
-def summarize(runs: list[Run], ar_tokens_per_s: float | None) -> dict:
-    """Spec-Bench metrics over some runs; speedup against the AR rate of the same prompts."""
-    c = _counts(runs)
+def summarize(runs: list[Run], ar_tokens_per_s: float | None, cost: CostModel | None = None,
+              ar_modelled_tokens_per_s: float | None = None) -> dict:
+    """Spec-Bench metrics over some runs; speedup against the AR rate of the same prompts.
+    With ``cost``, also the modelled rate (``modelled_seconds``) and its speedup against AR's
+    modelled rate."""
+    c = _counts(runs, cost)
     tps = c["new_tokens"] / c["wall_s"] if c["wall_s"] > 0 else float("nan")
+    modelled = c["new_tokens"] / c["modelled_s"] if c["modelled_s"] > 0 else None
     return {
         "tokens_per_s": tps,
         "speedup_vs_ar": tps / ar_tokens_per_s if ar_tokens_per_s else None,
+        "modelled_tokens_per_s": modelled,
+        "modelled_speedup_vs_ar": modelled / ar_modelled_tokens_per_s
+        if modelled and ar_modelled_tokens_per_s else None,
         "tau": c["new_tokens"] / c["rounds"] if c["rounds"] else 0.0,
         "acceptance_rate": c["accepted"] / c["drafted"] if c["drafted"] else None,
         "new_tokens": c["new_tokens"], "wall_s": c["wall_s"], "rounds": c["rounds"],
@@ -121,10 +138,17 @@ def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec
                  drafter_of: dict[str, str] | None = None, setup: Setup | None = None) -> dict:
     """Metrics per controller, with speedups against AR in the target's own dtype and pass
     shape (the lossless comparison) and against the fastest plain decoding (``FASTEST``: what
-    a user could run instead), when it was run."""
+    a user could run instead), when it was run. For draftctl's decoder with a calibrated
+    profile in ``setup``, each row also gets its modelled rate and speedup
+    (``modelled_seconds``): what its decisions are worth at the profile's costs, free of the
+    clock's noise."""
+    cost = CostModel.from_run({"cost": profile_costs(setup, setup.shape)}) \
+        if cfg.engine == "draftctl" and setup is not None and setup.profile is not None \
+        else None
     ar_runs = [r for r in runs if r.spec == "none"]
-    ar = summarize(ar_runs, None)
-    ar_by_cat = {cat: summarize(group, None) for cat, group in _by_category(ar_runs).items()}
+    ar = summarize(ar_runs, None, cost)
+    ar_by_cat = {cat: summarize(group, None, cost)
+                 for cat, group in _by_category(ar_runs).items()}
     ar["per_category"] = ar_by_cat
     fast_runs = [r for r in runs if r.spec == FASTEST]
     fastest = summarize(fast_runs, ar["tokens_per_s"]) if fast_runs else None
@@ -141,11 +165,13 @@ def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec
                if parse_drafter(drafter).uses_model else drafter,
                "verify": "tree" if tree else "chain",
                "bit_exact": not tree and (setup is None or setup.shape.exact),
-               **summarize(mine, ar["tokens_per_s"])}
+               **summarize(mine, ar["tokens_per_s"], cost, ar["modelled_tokens_per_s"])}
         row["speedup_vs_fastest_ar"] = row["tokens_per_s"] / fastest["tokens_per_s"] \
             if fastest else None
-        row["per_category"] = {cat: summarize(group, ar_by_cat[cat]["tokens_per_s"])
-                               for cat, group in _by_category(mine).items()}
+        row["per_category"] = {
+            cat: summarize(group, ar_by_cat[cat]["tokens_per_s"], cost,
+                           ar_by_cat[cat]["modelled_tokens_per_s"])
+            for cat, group in _by_category(mine).items()}
         controllers.append(row)
     greedy = cfg.temperature == 0
     sampling = None if greedy else {
