@@ -74,14 +74,20 @@ def test_a_rows_modelled_time_is_its_rounds_at_the_profiles_costs():
     token at the pass shape (here fixed:2, so 3 new tokens take two passes)."""
     cost = CostModel(t_draft=0.01, t_verify=(0.1, 0.12, 0.2), shape=PassShape.parse("fixed:2"))
 
-    def round_of(drafted: int, forwards: int) -> RoundRecord:
-        return RoundRecord(0, [5] * drafted, [], 0, [], [], [], [5], 0, forwards, 0.0, 0.0,
+    def round_of(drafted: int, forwards: int, draft_s: float = 0.0) -> RoundRecord:
+        return RoundRecord(0, [5] * drafted, [], 0, [], [], [], [5], 0, forwards, draft_s, 0.0,
                            0.0, 0)
 
     result = GenerationResult([1], [5, 5, 5], [round_of(2, 3), round_of(0, 0), round_of(1, 1)],
                               9.0, 4, 4, "max_new_tokens")
     assert modelled_seconds(result, cost) == pytest.approx(
         3 * 0.01 + 2 * 0.12 + 0.12 + 0.01 + 0.12)
+    # retrieval drafts: no draft step, each round's measured lookup instead (an empty trie's too)
+    tries = GenerationResult([1], [5, 5], [round_of(3, 0, 0.004), round_of(0, 0, 0.002)],
+                             9.0, 2, 0, "max_new_tokens")
+    assert modelled_seconds(tries, cost) == pytest.approx(2 * 0.12 + 0.12)
+    assert modelled_seconds(tries, cost, lookups=True) == pytest.approx(
+        0.004 + 2 * 0.12 + 0.002 + 0.12)
 
 
 def test_bench_reports_each_rows_modelled_speedup_with_a_profile(pair, tmp_path, capsys):  # noqa: F811

@@ -72,20 +72,24 @@ COUNTS = ("new_tokens", "wall_s", "modelled_s", "rounds", "drafted", "accepted",
           "target_forwards", "draft_forwards", "controller_s", "controller_calls", "mismatches")
 
 
-def modelled_seconds(result: GenerationResult, cost: CostModel) -> float:
+def modelled_seconds(result: GenerationResult, cost: CostModel, lookups: bool = False) -> float:
     """The decoding time the calibrated costs give a generation's rounds: each round's draft
     steps and its verification pass at the decoder's pass shape (``CostModel.round_time``),
-    prefill left out. It depends on the decisions alone, not on the machine's clock."""
-    return sum(cost.round_time(r.drafted, r.draft_forwards, 0) for r in result.rounds)
+    prefill left out. It depends on the decisions alone, not on the machine's clock, except
+    with ``lookups`` (retrieval drafts, which have no draft step to model): each round's
+    measured drafting time, its datastore lookup, is added, as ``replay`` adds the recorded
+    one."""
+    return sum(cost.round_time(r.drafted, r.draft_forwards, 0)
+               + (r.draft_time_s if lookups else 0.0) for r in result.rounds)
 
 
-def _counts(runs: list[Run], cost: CostModel | None = None) -> dict:
+def _counts(runs: list[Run], cost: CostModel | None = None, lookups: bool = False) -> dict:
     c = dict.fromkeys(COUNTS, 0)
     for run in runs:
         r = run.result
         c["new_tokens"] += r.new_tokens
         c["wall_s"] += r.wall_s
-        c["modelled_s"] += modelled_seconds(r, cost) if cost is not None else 0.0
+        c["modelled_s"] += modelled_seconds(r, cost, lookups) if cost is not None else 0.0
         c["rounds"] += len(r.rounds)
         c["drafted"] += sum(x.drafted for x in r.rounds)
         c["accepted"] += sum(x.n_accepted for x in r.rounds)
@@ -99,11 +103,11 @@ def _counts(runs: list[Run], cost: CostModel | None = None) -> dict:
 
 
 def summarize(runs: list[Run], ar_tokens_per_s: float | None, cost: CostModel | None = None,
-              ar_modelled_tokens_per_s: float | None = None) -> dict:
+              ar_modelled_tokens_per_s: float | None = None, lookups: bool = False) -> dict:
     """Spec-Bench metrics over some runs; speedup against the AR rate of the same prompts.
-    With ``cost``, also the modelled rate (``modelled_seconds``) and its speedup against AR's
-    modelled rate."""
-    c = _counts(runs, cost)
+    With ``cost``, also the modelled rate (``modelled_seconds``, with the rounds' measured
+    ``lookups`` for retrieval drafts) and its speedup against AR's modelled rate."""
+    c = _counts(runs, cost, lookups)
     tps = c["new_tokens"] / c["wall_s"] if c["wall_s"] > 0 else float("nan")
     modelled = c["new_tokens"] / c["modelled_s"] if c["modelled_s"] > 0 else None
     return {
@@ -165,12 +169,12 @@ def build_report(cfg: BenchConfig, specs: list[str], runs: list[Run], draft_spec
                if parse_drafter(drafter).uses_model else drafter,
                "verify": "tree" if tree else "chain",
                "bit_exact": not tree and (setup is None or setup.shape.exact),
-               **summarize(mine, ar["tokens_per_s"], cost, ar["modelled_tokens_per_s"])}
+               **summarize(mine, ar["tokens_per_s"], cost, ar["modelled_tokens_per_s"], tree)}
         row["speedup_vs_fastest_ar"] = row["tokens_per_s"] / fastest["tokens_per_s"] \
             if fastest else None
         row["per_category"] = {
             cat: summarize(group, ar_by_cat[cat]["tokens_per_s"], cost,
-                           ar_by_cat[cat]["modelled_tokens_per_s"])
+                           ar_by_cat[cat]["modelled_tokens_per_s"], tree)
             for cat, group in _by_category(mine).items()}
         controllers.append(row)
     greedy = cfg.temperature == 0
