@@ -49,6 +49,8 @@ def _demo(args: argparse.Namespace) -> int:
                 "bench_repeats", "max_new_tokens", "device", "out"):
         if getattr(args, key) is not None:
             setattr(job, key, getattr(args, key))
+    if args.kinds is not None:
+        job.kinds = [kind for kind in args.kinds.split(",") if kind]
     summary = run_demo(job)
     bench = summary["bench"]
     print(f"\n{bench['target']} with draft {bench['draft']}, {bench['prompts']} test prompts, "
@@ -290,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "where it matches (traced in probe mode)")
     demo.add_argument("--collect-per-category", type=int,
                       help="train+dev prompts per category to collect traces on (default 12)")
+    demo.add_argument("--kinds", help="acceptance models to train, joined by commas, among "
+                                      "logreg, hgb, mlp and threshold (default logreg,mlp)")
     demo.add_argument("--bench-per-category", type=int,
                       help="test prompts per category to bench on (default 3)")
     demo.add_argument("--bench-repeats", type=int,

@@ -15,6 +15,7 @@ from draftctl.drafters import parse_drafter
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
+from draftctl.train.fit import KINDS
 
 
 class JobError(DraftctlError):
@@ -113,6 +114,10 @@ def run_demo(job: DemoJob) -> dict:
     if job.draft is None and default_draft(job.target) is None:
         raise JobError(f"the demo runs the built-in pair; {job.target!r} has no shipped draft: "
                        "pass --draft SPEC")
+    unknown = [kind for kind in job.kinds if kind not in KINDS]
+    if not job.kinds or unknown or len(set(job.kinds)) < len(job.kinds):
+        raise JobError(f"demo kinds {','.join(job.kinds) or '(none)'}: give one or more "
+                       f"distinct kinds among {', '.join(KINDS)}")
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(job, out / "demo.yaml")

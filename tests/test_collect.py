@@ -234,6 +234,20 @@ def test_demo_runs_on_the_pair_it_is_given(pair, tmp_path):
     assert any(row["spec"].startswith("onnx:") for row in bench["controllers"])
 
 
+@pytest.mark.parametrize("kinds", [["logreg", "forest"], ["mlp", "mlp"], []])
+def test_demo_refuses_bad_model_kinds_before_collecting(pair, tmp_path, capsys, kinds):
+    """``--kinds`` is checked before any trace is collected, with the kinds it takes named."""
+    from draftctl.cli import main
+
+    _, draft, prompts = pair
+    out = tmp_path / "demo"
+    code = main(["demo", "--prompts", prompts, "--draft", draft, "--kinds", ",".join(kinds),
+                 "--out", str(out)])
+    assert code == 2
+    assert "logreg, hgb, mlp, threshold" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_demo_collects_probe_traces_for_a_drafter_without_dense_rows(pair, tmp_path):
     """``model+lookup,alone=2`` ends rounds where lookup matches do, so dense traces refuse
     it: the demo collects probe traces for it instead and runs to its bench."""
