@@ -15,7 +15,6 @@ from draftctl.drafters import parse_drafter
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
 from draftctl.profile import Setup, settle
-from draftctl.train.fit import KINDS
 
 
 class JobError(DraftctlError):
@@ -109,23 +108,27 @@ def run_demo(job: DemoJob) -> dict:
     from draftctl.bench.run import BenchConfig, run_bench
     from draftctl.collect.run import CollectConfig, run_collect
     from draftctl.export.onnx import export_onnx
+    from draftctl.train.fit import KINDS
     from draftctl.train.run import TrainConfig, run_train
 
     if job.draft is None and default_draft(job.target) is None:
         raise JobError(f"the demo runs the built-in pair; {job.target!r} has no shipped draft: "
                        "pass --draft SPEC")
-    unknown = [kind for kind in job.kinds if kind not in KINDS]
-    if not job.kinds or unknown or len(set(job.kinds)) < len(job.kinds):
+    if not job.kinds or len(set(job.kinds)) < len(job.kinds):
         raise JobError(f"demo kinds {','.join(job.kinds) or '(none)'}: give one or more "
                        f"distinct kinds among {', '.join(KINDS)}")
     out = Path(job.out)
+    traces = out / "traces"
+    # built before any trace is collected: each config checks its kind
+    train_configs = {kind: TrainConfig(traces=str(traces), kind=kind,
+                                       out=str(out / "controllers" / kind), seed=job.seed)
+                     for kind in job.kinds}
     out.mkdir(parents=True, exist_ok=True)
     save_config(job, out / "demo.yaml")
     stages = 3 + len(job.kinds)
 
     mode = "dense" if parse_drafter(job.drafter).dense else "probe"
     _stage(1, stages, f"collect {mode} traces on the train and dev prompts")
-    traces = out / "traces"
     run_collect(CollectConfig(
         target=job.target, draft=job.draft, drafter=job.drafter, prompts=job.prompts,
         split="train,dev",
@@ -134,13 +137,11 @@ def run_demo(job: DemoJob) -> dict:
         device=job.device, out=str(traces)))
 
     learned, trained = [], {}
-    for i, kind in enumerate(job.kinds):
+    for i, (kind, config) in enumerate(train_configs.items()):
         _stage(2 + i, stages, f"train {kind}, choose its threshold on dev, export to ONNX")
-        folder = out / "controllers" / kind
-        report = run_train(TrainConfig(traces=str(traces), kind=kind, out=str(folder),
-                                       seed=job.seed))
+        report = run_train(config)
         onnx_path = out / "controllers" / f"{kind}.onnx"
-        export_onnx(folder, onnx_path)
+        export_onnx(config.out, onnx_path)
         learned.append(f"onnx:{onnx_path}")
         trained[kind] = {"threshold": report["threshold"], "stop": report["stop"],
                          "onnx": str(onnx_path),
