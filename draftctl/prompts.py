@@ -1,7 +1,7 @@
 """Prompt sets: Spec-Bench-style JSONL (``turns``), JSONL with a ``prompt`` field, and the
 train/dev/test split rule by question id.
 
-draftctl ships its own prompt set (``draftctl/data/prompts.jsonl``, written for draftctl, 120
+draftctl ships its own prompt set (``draftctl/data/prompts.jsonl``, written for draftctl, 278
 prompts in Spec-Bench's format and six task groups); pass ``--prompts PATH`` for Spec-Bench's
 ``question.jsonl`` or any other set. A folder saved with ``datasets``' ``save_to_disk`` reads
 the same way (records with ``turns`` or ``prompt``).

@@ -1,20 +1,37 @@
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from draftctl.distill.pool import near_duplicates
 from draftctl.prompts import PromptFileError, load_prompts, split_of, task_of
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def test_builtin_prompt_set_has_every_task_in_every_split():
     prompts = load_prompts()
-    assert len(prompts) == 120
+    assert len(prompts) == 278
+    assert [p.question_id for p in prompts] == list(range(1, 279))
     tasks = {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
     for split in ("train", "dev", "test"):
         chosen = load_prompts(split=split)
         assert {p.task for p in chosen} == tasks
         assert all(p.split == split for p in chosen)
-    assert sum(len(load_prompts(split=s)) for s in ("train", "dev", "test")) == 120
+    assert sum(len(load_prompts(split=s)) for s in ("train", "dev", "test")) == 278
+    # enough train and dev prompts per group for the learned controllers' traces (36)
+    fit = Counter(p.task for p in load_prompts(split="train,dev"))
+    assert min(fit.values()) >= 36
+    assert min(Counter(p.task for p in load_prompts(split="test")).values()) >= 9
+
+
+def test_builtin_prompts_are_distinct_and_none_is_near_a_spec_bench_prompt():
+    texts = [t for p in load_prompts() for t in p.turns]
+    assert not near_duplicates(texts, 0.5).any()
+    if SPEC_BENCH.is_file():
+        theirs = [t for p in load_prompts(SPEC_BENCH) for t in p.turns]
+        assert not near_duplicates(texts, 0.5, against=theirs).any()
 
 
 def test_split_rule():
@@ -54,8 +71,6 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(PromptFileError, match="limit must be > 0"):
         load_prompts(limit=0)
 
-
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 @pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench prompts not beside the checkout")
