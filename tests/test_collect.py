@@ -163,12 +163,12 @@ def test_a_crashed_collection_resumes_without_lost_or_duplicated_rows(pair, tmp_
     real_write = collect_run.write_shard
     calls = {"n": 0}
 
-    def crashing_write(rows, path, mode):
+    def crashing_write(rows, path, mode, prompt_sha256):
         calls["n"] += 1
         if calls["n"] == 4:
             path.with_name(f".{path.name}.tmp").write_bytes(b"half a shard")  # torn write
             raise KeyboardInterrupt
-        real_write(rows, path, mode)
+        real_write(rows, path, mode, prompt_sha256)
 
     monkeypatch.setattr(collect_run, "write_shard", crashing_write)
     with pytest.raises(KeyboardInterrupt):
@@ -185,6 +185,22 @@ def test_rerun_with_other_settings_is_refused(pair, tmp_path):
     run_collect(config(pair, tmp_path / "t", mode="probe", limit=2))
     with pytest.raises(DraftctlError, match=r"differs in .*k_probe"):
         run_collect(config(pair, tmp_path / "t", mode="probe", limit=2, k_probe=4))
+
+
+def test_resuming_refuses_a_shard_of_a_prompt_edited_since(pair, tmp_path):
+    """Shards are matched to prompts by id; a prompt whose text changed after its shard was
+    written is named, not silently kept."""
+    edited = tmp_path / "prompts.jsonl"
+    rows = [json.loads(line) for line in open(pair[2])]
+    edited.write_text("\n".join(json.dumps(r) for r in rows))
+    run_collect(config(pair, tmp_path / "t", mode="probe", limit=3, prompts=str(edited)))
+    assert run_collect(config(pair, tmp_path / "t", mode="probe", limit=3,
+                              prompts=str(edited)))["collected"] == 0
+    rows[1]["turns"] = ["w5 w6 w7"]
+    edited.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DraftctlError, match=r"q1\.parquet was collected from another text "
+                                            "of prompt 1"):
+        run_collect(config(pair, tmp_path / "t", mode="probe", limit=3, prompts=str(edited)))
 
 
 def test_corrupt_shard_is_refused_with_its_name(pair, tmp_path):

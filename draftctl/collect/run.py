@@ -13,7 +13,12 @@ import torch
 from tqdm import tqdm
 
 from draftctl import __version__
-from draftctl.collect.traces import round_rows, write_shard
+from draftctl.collect.traces import (
+    prompt_digest,
+    round_rows,
+    shard_prompt_digest,
+    write_shard,
+)
 from draftctl.config import save_config
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SamplingConfig, SpeculativeDecoder, generate
@@ -241,7 +246,16 @@ def run_collect(cfg: CollectConfig) -> dict:
 
     controller = make_controller(f"static:{cfg.k_probe}" if cfg.mode == "probe"
                                  else cfg.controller)
-    todo = [p for p in prompts if not (out / "shards" / f"q{p.question_id}.parquet").exists()]
+    digests = {qid: prompt_digest(ids) for qid, ids in encoded.items()}
+    todo = []
+    for prompt in prompts:
+        shard = out / "shards" / f"q{prompt.question_id}.parquet"
+        if not shard.exists():
+            todo.append(prompt)
+        elif shard_prompt_digest(shard) not in (None, digests[prompt.question_id]):
+            raise DraftctlError(f"{shard} was collected from another text of prompt "
+                                f"{prompt.question_id} (the prompt or the chat template has "
+                                "changed since): use a new --out, or delete that shard")
     bar = tqdm(todo, desc=f"collect rank {rank}/{world}", unit="prompt")
     tokens = drafted = accepted = 0
     started = time.perf_counter()
@@ -261,7 +275,8 @@ def run_collect(cfg: CollectConfig) -> dict:
                 tokens += len(record.new_tokens)
                 drafted += record.drafted
                 accepted += record.n_accepted
-        write_shard(rows, out / "shards" / f"q{prompt.question_id}.parquet", info["mode"])
+        write_shard(rows, out / "shards" / f"q{prompt.question_id}.parquet", info["mode"],
+                    digests[prompt.question_id])
         rate = f"{accepted / drafted:.2f}" if drafted else "-"
         bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - started):.1f}", accept=rate)
     return {"rank": rank, "world_size": world, "prompts": len(prompts), "collected": len(todo),

@@ -25,6 +25,8 @@ Two kinds of trace, told apart by ``run.json``'s ``mode``:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -91,9 +93,28 @@ def round_rows(record: RoundRecord, run_id: str, prompt_id: int, category: str,
     return rows
 
 
-def write_shard(rows: list[dict], path: Path, mode: str) -> None:
+# A shard's schema metadata: the sha256 of the prompt's token ids it was decoded from.
+PROMPT_KEY = b"draftctl.prompt_sha256"
+
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    """What a shard records of its prompt: the sha256 of its token ids (chat template
+    included), so an edited prompt or template is noticed when a collection resumes."""
+    return hashlib.sha256(json.dumps([int(i) for i in prompt_ids]).encode()).hexdigest()
+
+
+def shard_prompt_digest(path: Path) -> str | None:
+    """The ``prompt_digest`` a shard was written with (None: a shard from before it was)."""
+    value = (pq.read_schema(path).metadata or {}).get(PROMPT_KEY)
+    return value.decode() if value else None
+
+
+def write_shard(rows: list[dict], path: Path, mode: str, prompt_sha256: str | None = None) -> None:
     """Write rows atomically: a reader sees the whole shard or none of it."""
     table = pa.Table.from_pylist(rows, schema=SCHEMAS[mode])
+    if prompt_sha256 is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                               PROMPT_KEY: prompt_sha256.encode()})
     tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, tmp)
     with open(tmp, "rb") as handle:
