@@ -45,8 +45,8 @@ def _demo(args: argparse.Namespace) -> int:
     from draftctl.bench.report import format_table, mismatch_notice, setup_line
 
     job = quick_demo() if args.quick else DemoJob()
-    for key in ("prompts", "draft", "drafter", "collect_per_category", "bench_per_category",
-                "bench_repeats", "max_new_tokens", "device", "out"):
+    for key in ("prompts", "draft", "drafter", "collect_per_category", "collect_max_new_tokens",
+                "bench_per_category", "bench_repeats", "max_new_tokens", "device", "out"):
         if getattr(args, key) is not None:
             setattr(job, key, getattr(args, key))
     if args.kinds is not None:
@@ -291,9 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                                         "model+lookup,alone=2: lookup drafts rounds alone "
                                         "where it matches (traced in probe mode)")
     demo.add_argument("--collect-per-category", type=int,
-                      help="train+dev prompts per category to collect traces on (default 12)")
+                      help="train+dev prompts per category to collect traces on (default 36)")
+    demo.add_argument("--collect-max-new-tokens", type=int,
+                      help="new tokens each traced prompt is followed for (default 32; the "
+                           "bench decodes --max-new-tokens)")
     demo.add_argument("--kinds", help="acceptance models to train, joined by commas, among "
-                                      "logreg, hgb, mlp and threshold (default logreg,mlp)")
+                                      "logreg, hgb, mlp and threshold (default hgb,mlp)")
     demo.add_argument("--bench-per-category", type=int,
                       help="test prompts per category to bench on (default 3)")
     demo.add_argument("--bench-repeats", type=int,

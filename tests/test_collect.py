@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import pyarrow.parquet as pq
@@ -191,7 +192,7 @@ def test_resuming_refuses_a_shard_of_a_prompt_edited_since(pair, tmp_path):
     """Shards are matched to prompts by id; a prompt whose text changed after its shard was
     written is named, not silently kept."""
     edited = tmp_path / "prompts.jsonl"
-    rows = [json.loads(line) for line in open(pair[2])]
+    rows = [json.loads(line) for line in Path(pair[2]).read_text().splitlines()]
     edited.write_text("\n".join(json.dumps(r) for r in rows))
     run_collect(config(pair, tmp_path / "t", mode="probe", limit=3, prompts=str(edited)))
     assert run_collect(config(pair, tmp_path / "t", mode="probe", limit=3,
@@ -242,11 +243,16 @@ def test_demo_runs_on_the_pair_it_is_given(pair, tmp_path):
 
     target, draft, prompts = pair
     summary = run_demo(DemoJob(target=target, draft=draft, prompts=prompts,
-                               collect_per_category=None, collect_limit=6,
-                               bench_per_category=None, bench_limit=2, max_new_tokens=8,
-                               k_probe=4, kinds=["logreg"], out=str(tmp_path / "demo")))
+                               collect_per_category=None, collect_max_new_tokens=5,
+                               collect_limit=6, bench_per_category=None, bench_limit=2,
+                               max_new_tokens=8, k_probe=4, kinds=["logreg"],
+                               out=str(tmp_path / "demo")))
     bench = summary["bench"]
     assert bench["draft"] == draft and bench["mismatches"] == 0
+    # the traces follow each prompt for collect_max_new_tokens, the bench for max_new_tokens
+    traced = read_traces(tmp_path / "demo" / "traces").column("output_len").to_pylist()
+    assert max(traced) == 5
+    assert bench["ar"]["new_tokens"] > 2 * 5
     assert any(row["spec"].startswith("onnx:") for row in bench["controllers"])
 
 
