@@ -122,6 +122,9 @@ def run_demo(job: DemoJob) -> dict:
     if not job.kinds or len(set(job.kinds)) < len(job.kinds):
         raise JobError(f"demo kinds {','.join(job.kinds) or '(none)'}: give one or more "
                        f"distinct kinds among {', '.join(KINDS)}")
+    if job.collect_max_new_tokens is not None and job.collect_max_new_tokens < 1:
+        raise JobError(f"demo collect_max_new_tokens must be >= 1, got "
+                       f"{job.collect_max_new_tokens}")
     out = Path(job.out)
     traces = out / "traces"
     # built before any trace is collected: each config checks its kind

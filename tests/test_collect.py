@@ -270,6 +270,18 @@ def test_demo_refuses_bad_model_kinds_before_collecting(pair, tmp_path, capsys, 
     assert not out.exists()
 
 
+def test_demo_refuses_a_bad_trace_length_before_collecting(pair, tmp_path, capsys):
+    from draftctl.cli import main
+
+    _, draft, prompts = pair
+    out = tmp_path / "demo"
+    code = main(["demo", "--prompts", prompts, "--draft", draft, "--collect-max-new-tokens", "0",
+                 "--out", str(out)])
+    assert code == 2
+    assert "collect_max_new_tokens must be >= 1, got 0" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_demo_collects_probe_traces_for_a_drafter_without_dense_rows(pair, tmp_path):
     """``model+lookup,alone=2`` ends rounds where lookup matches do, so dense traces refuse
     it: the demo collects probe traces for it instead and runs to its bench."""
