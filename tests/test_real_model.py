@@ -146,7 +146,7 @@ def test_demo_quick_runs_end_to_end(tmp_path, capsys):
     assert specs[1:5] == ["heuristic"] + specs[2:4] + ["oracle"]
     assert specs[0].startswith("static:") and specs[3].startswith("svip:")
     assert [s for s in specs if s.startswith("onnx:")] == [
-        f"onnx:{out / 'controllers' / kind}.onnx" for kind in ("logreg", "mlp")]
+        f"onnx:{out / 'controllers' / kind}.onnx" for kind in ("hgb", "mlp")]
     assert report["mismatches"] == 0 and report["prompts"] == 2
     assert (out / "traces" / "run.json").is_file() and (out / "bench" / "speedup.png").is_file()
     printed = capsys.readouterr().out
