@@ -72,7 +72,6 @@ def test_bad_arguments(tmp_path):
         load_prompts(limit=0)
 
 
-
 @pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench prompts not beside the checkout")
 def test_reads_spec_bench_and_groups_mt_bench():
     prompts = load_prompts(SPEC_BENCH)
