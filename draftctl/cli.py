@@ -196,7 +196,8 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(TrainConfig, args.config, {"traces": args.traces, "kind": args.kind,
                                                   "out": args.out, "seed": args.seed,
                                                   "rule": args.rule, "stop": args.stop,
-                                                  "ablation": args.ablation or None})
+                                                  "ablation": args.ablation or None,
+                                                  "profile": args.profile})
     report = run_train(cfg)
     s = report["summary"]
     if s is None:
@@ -445,12 +446,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int)
     tr.add_argument("--rule", choices=("auto", "top_prob_1", "entropy", "svip"),
                     help="for --kind threshold: the one feature to threshold (default: auto)")
-    tr.add_argument("--stop", choices=("auto", "token", "path"),
+    tr.add_argument("--stop", choices=("auto", "token", "path", "cost"),
                     help="stop after a token whose own score is below the threshold (token), "
-                         "once the product of the round's scores is below it (path), or "
+                         "once the product of the round's scores is below it (path), once "
+                         "that product is below the threshold times the cost of one more "
+                         "draft at this length (cost, from the calibrated cost curve), or "
                          "whichever does better on dev (auto, the default)")
     tr.add_argument("--ablation", action="store_true",
                     help="also refit without each feature group in turn (report.md lists them)")
+    tr.add_argument("--profile",
+                    help="model time with this calibrated profile's cost curve and pass shape "
+                         "instead of the traces' own: thresholds (and the cost rule's step "
+                         "costs) for another deployment, e.g. padded passes")
     tr.set_defaults(func=_train)
 
     ex = sub.add_parser("export", help="write a trained controller as ONNX")

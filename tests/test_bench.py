@@ -90,6 +90,15 @@ def test_a_rows_modelled_time_is_its_rounds_at_the_profiles_costs():
         0.004 + 2 * 0.12 + 0.002 + 0.12)
 
 
+def test_step_costs_follow_the_pass_shapes_steps():
+    """The cost rule's scale: one more draft after k costs a draft step plus the longer
+    verification, over a plain step. At fixed:2 every second draft opens a new pass."""
+    cost = CostModel(t_draft=0.01, t_verify=(0.1, 0.12, 0.2), shape=PassShape.parse("fixed:2"))
+    assert cost.step_costs(3) == pytest.approx([0.13 / 0.12, 0.01 / 0.12, 0.13 / 0.12])
+    free = CostModel(t_draft=0.01, t_verify=(0.1, 0.12, 0.2, 0.15))
+    assert free.step_costs(2) == pytest.approx([(0.01 + 0.08) / 0.1, (0.01 - 0.05) / 0.1])
+
+
 def test_bench_reports_each_rows_modelled_speedup_with_a_profile(pair, tmp_path, capsys):  # noqa: F811
     """With a calibrated profile the report gives every row its modelled rate next to the
     clock's: AR's is one one-token pass per token, a speculative row's lies between its
@@ -294,10 +303,15 @@ def test_retrieval_traces_train_a_trie_pruning_controller(pair, tmp_path):  # no
     assert oracle["tokens"] == probe["tokens"] and oracle["drafted"] <= probe["drafted"]
     assert shallow["tokens"] <= probe["tokens"] and shallow["drafted"] < probe["drafted"]
     # A learned controller on the retrieval features prunes the trie; the output stays exact.
-    run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "m"), grid=6))
+    report = run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "m"),
+                                   grid=6))
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert {"suffix_len", "occurrences", "node_share", "token_share"} <= set(
         manifest["features"]) and manifest["cost_ratio"] is None
+    assert set(report["dev_by_stop"]) == {"token", "path"}  # no draft step: no cost rule
+    with pytest.raises(DraftctlError, match="cost stop rule needs a draft model's step cost"):
+        run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
+                              out=str(tmp_path / "c"), grid=6))
     export_onnx(tmp_path / "m", tmp_path / "m.onnx")
     out = tmp_path / "bench"
     assert main(bench_args(pair, out, "--controllers", f"static:6,svip,onnx:{tmp_path}/m.onnx",

@@ -184,13 +184,20 @@ def test_oracle_keeps_exactly_the_reference_tokens():
     assert oracle.max_draft() == 1
 
 
-@pytest.mark.parametrize("stop, lengths", [("token", [5, 5]), ("path", [3, 3])])
-def test_score_threshold_stop_rules(stop, lengths):
+@pytest.mark.parametrize("stop, step_costs, lengths", [
+    ("token", (), [5, 5]), ("path", (), [3, 3]),
+    ("cost", (0.1, 0.1, 0.1, 2.0), [4, 4]), ("cost", (1.5, 0.1), [1, 1]),
+    ("cost", (0.1,), [5, 5])])
+def test_score_threshold_stop_rules(stop, step_costs, lengths):
     """A constant score of 0.8 against 0.6: never below it token by token, but the product
-    0.8 ** 3 = 0.512 is below it at the third token; each round starts a new product."""
+    0.8 ** 3 = 0.512 is below it at the third token; each round starts a new product. The
+    cost rule scales 0.6 by the cost of one more draft at each length: a flat curve (0.06)
+    drafts past the product's 0.512 until a steep step (1.2) at the fourth token, a steep
+    first step (0.9) stops at once, and the last cost holds past the list's end."""
     from draftctl.controllers.learned import ScoreThreshold
 
-    c = ScoreThreshold(lambda x: 0.8, ["entropy"], threshold=0.6, n_max=5, stop=stop)
+    c = ScoreThreshold(lambda x: 0.8, ["entropy"], threshold=0.6, n_max=5, stop=stop,
+                       step_costs=step_costs)
     got = [len(run_round(c, [rec(pos=i) for i in range(1, 6)])[0]) for _ in range(2)]
     assert got == lengths
 
@@ -200,3 +207,5 @@ def test_unknown_stop_rule_is_refused():
 
     with pytest.raises(DraftctlError, match="unknown stop rule 'sum'"):
         ScoreThreshold(lambda x: 0.8, ["entropy"], threshold=0.6, stop="sum")
+    with pytest.raises(DraftctlError, match="cost stop rule needs the step costs"):
+        ScoreThreshold(lambda x: 0.8, ["entropy"], threshold=0.6, stop="cost")

@@ -1,6 +1,7 @@
 """Collect -> train each kind -> export to ONNX -> decode with onnx:, on a tiny pair."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +17,7 @@ from draftctl.export.engines import export_engine
 from draftctl.export.onnx import export_onnx
 from draftctl.models import load_model
 from draftctl.train.data import load_examples
+from draftctl.train.replay import CostModel
 from draftctl.train.run import TrainConfig, run_train
 from tests.test_collect import config, pair  # noqa: F401  (pair is a fixture)
 
@@ -84,6 +86,10 @@ def test_onnx_model_with_unknown_features_is_refused(pair, traces, tmp_path):  #
         make_controller(with_metadata(path, props | {"draftctl_features": unknown}))
     with pytest.raises(DraftctlError, match="stop rule 'sum'"):
         make_controller(with_metadata(path, props | {"draftctl_stop_rule": "sum"}))
+    props.pop("draftctl_step_costs", None)  # written when dev chose the cost rule
+    with pytest.raises(SchemaMismatchError, match="cost stop rule but has no "
+                                                  "draftctl_step_costs"):
+        make_controller(with_metadata(path, props | {"draftctl_stop_rule": "cost"}))
     del props["draftctl_stop_rule"]  # files written before the path rule existed
     assert make_controller(with_metadata(path, props)).stop == "token"
     with pytest.raises(SchemaMismatchError, match="schema v7"):
@@ -114,12 +120,12 @@ def test_engine_export_refuses_other_models(traces, tmp_path):
 
 
 def test_train_chooses_the_stop_rule_on_dev(pair, traces, tmp_path):  # noqa: F811
-    """``stop=auto`` tries both rules on dev and keeps the faster; a forced path rule is what
-    the manifest, the ONNX file and the decoder then use, and decoding stays exact."""
+    """``stop=auto`` tries every rule on dev and keeps the fastest; a forced path or cost rule
+    is what the manifest, the ONNX file and the decoder then use, and decoding stays exact."""
     auto = run_train(TrainConfig(traces=str(traces), kind="logreg", out=str(tmp_path / "a"),
                                  grid=4))
     by_stop = auto["dev_by_stop"]
-    assert set(by_stop) == {"token", "path"}
+    assert set(by_stop) == {"token", "path", "cost"}
     assert auto["stop"] == max(by_stop, key=lambda rule: by_stop[rule]["dev_speedup"])
     assert auto["threshold"] == by_stop[auto["stop"]]["threshold"]
     assert f"{auto['stop']}, {auto['threshold']:.4f}" in (tmp_path / "a" / "report.md").read_text()
@@ -137,8 +143,42 @@ def test_train_chooses_the_stop_rule_on_dev(pair, traces, tmp_path):  # noqa: F8
                                              DecodeConfig(max_new_tokens=24))
     reference = generate(decoder, [5, 6, 7], make_controller("none")).output_ids
     assert generate(decoder, [5, 6, 7], controller).output_ids == reference
+
+    cost = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
+                                 out=str(tmp_path / "c"), grid=4))
+    assert cost["dev_by_stop"]["cost"] == by_stop["cost"]
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    info = json.loads((traces / "run.json").read_text())
+    expected = CostModel.from_run(info).step_costs(info["k_probe"])
+    assert manifest["stop"] == "cost" and manifest["step_costs"] == pytest.approx(expected)
+    export_onnx(tmp_path / "c", tmp_path / "c.onnx")
+    controller = make_controller(f"onnx:{tmp_path / 'c.onnx'}")
+    assert controller.stop == "cost"
+    assert controller.step_costs == pytest.approx(manifest["step_costs"])
+    assert generate(decoder, [5, 6, 7], controller).output_ids == reference
     with pytest.raises(DraftctlError, match="unknown stop rule 'sum'"):
         TrainConfig(stop="sum")
+
+
+def test_train_models_time_with_another_profile(traces, tmp_path):
+    """``profile``: thresholds and the cost rule's step costs for another deployment (here the
+    traces' own profile at another pass shape), not for the shape the traces were taken at."""
+    info = json.loads((traces / "run.json").read_text())
+    profile = json.loads(Path(info["cost"]["profile"]).read_text())
+    other = tmp_path / "fixed2.json"
+    other.write_text(json.dumps(profile | {"pass_shape": "fixed:2"}))
+    report = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
+                                   profile=str(other), out=str(tmp_path / "m"), grid=4))
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    there = CostModel.from_profile(other).step_costs(info["k_probe"])
+    assert manifest["profile"] == str(other) and manifest["step_costs"] == pytest.approx(there)
+    assert there != pytest.approx(CostModel.from_run(info).step_costs(info["k_probe"]))
+    own = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
+                                out=str(tmp_path / "own"), grid=4))
+    assert report["dev_by_stop"]["cost"]["dev_speedup"] != own["dev_by_stop"]["cost"][
+        "dev_speedup"]
+    with pytest.raises(DraftctlError, match="profile not found: nowhere.json"):
+        TrainConfig(profile="nowhere.json")
 
 
 def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811

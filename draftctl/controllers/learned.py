@@ -1,10 +1,13 @@
 """Controllers driven by a scoring model: stop drafting once the scores fall below a threshold.
 
 The score is the model's predicted probability that the token is accepted given that it was
-reached (DISCO-style); the threshold is chosen by modelled speedup, not accuracy. Two stop
+reached (DISCO-style); the threshold is chosen by modelled speedup, not accuracy. Three stop
 rules read it: ``token`` (DISCO) stops after a token whose own score is below the threshold;
 ``path`` (SpecDec++) stops once the product of the round's scores so far, the modelled chance
-that every token drafted this round is accepted, is below it.
+that every token drafted this round is accepted, is below it; ``cost`` compares that product
+with the threshold times what one more draft would cost at this length (a draft step plus the
+longer verification, from the calibrated cost curve), so it drafts on where the curve is flat
+and stops early where a step of it is steep.
 ``onnx:PATH`` loads an exported model with onnxruntime (one thread, warm-up call) and checks
 its feature schema against the decoder's before any decoding.
 """
@@ -31,25 +34,37 @@ STOP_RULES = {
     "token": "stop after a token whose predicted acceptance < threshold",
     "path": "stop after the token at which the product of the round's predicted acceptances "
             "< threshold",
+    "cost": "stop after the token at which the product of the round's predicted acceptances "
+            "< threshold x step_costs[token's draft position], the cost of drafting one more "
+            "token there (draft step + longer verification) in plain decoding steps",
 }
 
 
 class ScoreThreshold(Controller):
-    """Stop after the token at which the ``stop`` rule's value is below ``threshold`` (that
-    token is verified): its own score (``token``) or the product of the scores from the
-    round's first token to it (``path``).
+    """Stop after the token at which the ``stop`` rule's value is below its bound (that token
+    is verified): its own score (``token``) or the product of the scores from the round's
+    first token to it (``path``) against ``threshold``; that product against ``threshold *
+    step_costs[draft_pos - 1]`` (``cost``; past the list's end, its last entry).
 
     score: maps a (1, n_features) float32 array to the acceptance probability.
     features: names of the model's inputs, in its input order (a subset of FEATURE_NAMES).
-    The path rule finds a token's predecessors by ``draft_pos``, so it needs each token asked
-    after its predecessors and before any other branch (a chain, or a tree walked depth first).
+    step_costs: for the cost rule, the cost of drafting token ``k + 1`` after ``k`` (a draft
+    step plus ``t_verify(k + 2) - t_verify(k + 1)``) over a plain decoding step, k = 1, 2, ...
+    The path and cost rules find a token's predecessors by ``draft_pos``, so they need each
+    token asked after its predecessors and before any other branch (a chain, or a tree walked
+    depth first).
     """
 
     def __init__(self, score: Callable[[np.ndarray], float], features: Sequence[str],
-                 threshold: float, n_max: int = 40, stop: str = "token"):
+                 threshold: float, n_max: int = 40, stop: str = "token",
+                 step_costs: Sequence[float] = ()):
         check_features(features)
         if stop not in STOP_RULES:
-            raise DraftctlError(f"unknown stop rule {stop!r}: use {' or '.join(STOP_RULES)}")
+            raise DraftctlError(f"unknown stop rule {stop!r}: use {', '.join(STOP_RULES)}")
+        if stop == "cost" and not step_costs:
+            raise DraftctlError("the cost stop rule needs the step costs of the cost curve it "
+                                "was chosen on")
+        self.step_costs = tuple(float(c) for c in step_costs)
         self.score = score
         self.features = tuple(features)
         self.index = [FEATURE_NAMES.index(f) for f in features]
@@ -68,11 +83,14 @@ class ScoreThreshold(Controller):
         vector = record.to_vector()
         x = np.array([[vector[i] for i in self.index]], dtype=np.float32)
         value = self.score(x)
-        if self.stop == "path":
+        bound = self.threshold
+        if self.stop != "token":
             del self.path[record.draft_pos - 1:]
             value *= self.path[-1] if self.path else 1.0
             self.path.append(value)
-        return Action.STOP if value < self.threshold else Action.CONTINUE
+        if self.stop == "cost":
+            bound *= self.step_costs[min(record.draft_pos, len(self.step_costs)) - 1]
+        return Action.STOP if value < bound else Action.CONTINUE
 
 
 def check_features(features: Sequence[str], schema_version: int = SCHEMA_VERSION) -> None:
@@ -114,7 +132,11 @@ def onnx_controller(path: str, threshold: float | None = None) -> ScoreThreshold
     stop = meta.get("draftctl_stop_rule", "token")  # files written before the path rule
     if stop not in STOP_RULES:
         raise DraftctlError(f"{path} asks for stop rule {stop!r}, which this draftctl does not "
-                            f"know ({' or '.join(STOP_RULES)}): upgrade draftctl")
+                            f"know ({', '.join(STOP_RULES)}): upgrade draftctl")
+    step_costs = json.loads(meta.get("draftctl_step_costs", "[]"))
+    if stop == "cost" and not step_costs:
+        raise SchemaMismatchError(f"{path} uses the cost stop rule but has no "
+                                  "draftctl_step_costs metadata: export it again")
     features = json.loads(meta["draftctl_features"])
     check_features(features, int(meta["draftctl_schema_version"]))
     n_inputs = session.get_inputs()[0].shape[-1]
@@ -131,4 +153,4 @@ def onnx_controller(path: str, threshold: float | None = None) -> ScoreThreshold
 
     score(np.zeros((1, len(features)), dtype=np.float32))  # warm-up
     chosen = float(meta["draftctl_threshold"]) if threshold is None else threshold
-    return ScoreThreshold(score, features, chosen, stop=stop)
+    return ScoreThreshold(score, features, chosen, stop=stop, step_costs=step_costs)

@@ -3,9 +3,10 @@
 scikit-learn pipelines go through skl2onnx (``zipmap=False``: a plain probability matrix),
 the MLP through ``torch.onnx.export``, threshold rules through a three-node graph. The ONNX
 file carries ``draftctl_features`` (input order), ``draftctl_schema_version``,
-``draftctl_threshold``, ``draftctl_stop_rule`` (token or path) and which output holds the
-acceptance probability; ``onnx:PATH`` reads them back. Every export is checked against the
-native model on 1,000 rows.
+``draftctl_threshold``, ``draftctl_stop_rule`` (token, path or cost; the cost rule's
+``draftctl_step_costs`` too) and which output holds the acceptance probability;
+``onnx:PATH`` reads them back. Every export is checked against the native model on 1,000
+rows.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def export_onnx(model_dir: str | Path, out: str | Path) -> dict:
                 "draftctl_stop_rule": manifest.get("stop", "token"),
                 "draftctl_output": output, "draftctl_output_column": str(column),
                 "draftctl_kind": manifest["kind"]}
+    if manifest.get("stop") == "cost":
+        metadata["draftctl_step_costs"] = json.dumps(manifest["step_costs"])
     onnx.helper.set_model_props(onnx_model, metadata)
     onnx.save(onnx_model, str(out))
 

@@ -96,6 +96,13 @@ class CostModel:
         """Seconds to verify n new tokens (the round's last token and its drafts)."""
         return pass_time(self._curve, self.shape, n)
 
+    def step_costs(self, n: int) -> list[float]:
+        """What drafting token k + 1 after k tokens adds to a round (a draft step and the
+        longer verification), in plain decoding steps, for k = 1..n: the cost stop rule's
+        per-position scale. Negative where a longer pass is faster (a cost curve's step)."""
+        return [(self.t_draft + self.verify(k + 2) - self.verify(k + 1)) / self.verify(1)
+                for k in range(1, n + 1)]
+
     def round_time(self, drafted: int, draft_forwards: int, calls: int) -> float:
         return (draft_forwards * self.t_draft + self.verify(drafted + 1)
                 + calls * self.t_controller)

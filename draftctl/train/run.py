@@ -19,7 +19,7 @@ from draftctl.decode.features import FEATURE_GROUPS, SCHEMA_VERSION
 from draftctl.errors import DraftctlError
 from draftctl.train.data import load_examples
 from draftctl.train.fit import KINDS, THRESHOLD_RULES, TorchModel, fit
-from draftctl.train.replay import TraceSet, replay
+from draftctl.train.replay import CostModel, TraceSet, replay
 
 
 @dataclass
@@ -31,11 +31,16 @@ class TrainConfig:
     grid: int = 24  # candidate thresholds (quantiles of the dev predictions)
     rule: str = "auto"  # threshold kind: top_prob_1, entropy, svip, or auto (best train AUC)
     # stop rule: token (a token's own score below the threshold), path (the product of the
-    # round's scores so far below it), or auto (whichever gives the higher dev speedup)
+    # round's scores so far below it), cost (that product below the threshold times the cost
+    # of one more draft at this length), or auto (whichever gives the higher dev speedup;
+    # cost only where the traces record a draft model's step cost)
     stop: str = "auto"
     # also refit without each feature group in turn (decode.features.FEATURE_GROUPS), each
     # with its own threshold chosen on dev, and report what dropping it costs on test
     ablation: bool = False
+    # model time with this calibrated profile's cost curve and pass shape instead of the one
+    # recorded with the traces: a controller for another deployment (say, padded passes)
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -46,11 +51,14 @@ class TrainConfig:
         if self.stop not in ("auto", *STOP_RULES):
             raise DraftctlError(f"unknown stop rule {self.stop!r}: use auto, "
                                 f"{', '.join(STOP_RULES)}")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise DraftctlError(f"profile not found: {self.profile} (make one with draftctl "
+                                "calibrate --out PATH)")
 
 
 def learned_controller(model, features, threshold: float, spec: str,
                        memo: dict[bytes, float] | None = None,
-                       stop: str = "token") -> ScoreThreshold:
+                       stop: str = "token", step_costs: tuple[float, ...] = ()) -> ScoreThreshold:
     """The model behind the stop rule, as replay runs it. ``memo`` caches scores by input
     bytes: replaying a grid of thresholds visits the same trace rows again and again, and
     one-row ``predict`` calls dominate the cost."""
@@ -62,14 +70,16 @@ def learned_controller(model, features, threshold: float, spec: str,
             memo[key] = float(model.predict(x)[0])
         return memo[key]
 
-    controller = ScoreThreshold(score, features, threshold, stop=stop)
+    controller = ScoreThreshold(score, features, threshold, stop=stop, step_costs=step_costs)
     controller.spec = spec
     return controller
 
 
-def best_by_speedup(traces: TraceSet, candidates: dict, prompt_ids: set[int]) -> tuple:
-    """(key, result) of the candidate controller with the highest modelled speedup."""
-    results = replay(traces, list(candidates.values()), prompt_ids)
+def best_by_speedup(traces: TraceSet, candidates: dict, prompt_ids: set[int],
+                    profile: str | None = None) -> tuple:
+    """(key, result) of the candidate controller with the highest modelled speedup (time
+    from the traces' costs, or from ``profile``'s)."""
+    results = replay(traces, list(candidates.values()), prompt_ids, profile=profile)
     best = max(range(len(results)), key=lambda i: results[i]["modelled_speedup"])
     return list(candidates)[best], results[best]
 
@@ -108,21 +118,23 @@ def run_train(cfg: TrainConfig) -> dict:
     name = f"learned-{cfg.kind}"
     fitted = fit_and_choose(cfg, parts, features, features, traces, dev_ids, name)
     model, threshold, dev_best, memo = fitted.model, fitted.threshold, fitted.dev_best, fitted.memo
-    stop = fitted.stop
+    stop, step_costs = fitted.stop, fitted.step_costs
     p_dev = model.predict(dev.X)
     svip_spec, _ = best_by_speedup(
-        traces, {f"svip:{t:.2f}": f"svip:{t:.2f}" for t in np.arange(0.1, 1.01, 0.05)}, dev_ids)
+        traces, {f"svip:{t:.2f}": f"svip:{t:.2f}" for t in np.arange(0.1, 1.01, 0.05)}, dev_ids,
+        cfg.profile)
     conf_spec, _ = best_by_speedup(
         traces, {f"confidence:{t:.2f}": f"confidence:{t:.2f}"
-                 for t in np.arange(0.05, 0.96, 0.05)}, dev_ids)
+                 for t in np.arange(0.05, 0.96, 0.05)}, dev_ids, cfg.profile)
 
     k_probe = traces.info["k_probe"]
     statics = [f"static:{k}" for k in range(1, k_probe + 1)]
-    static_spec, _ = best_by_speedup(traces, dict(zip(statics, statics)), dev_ids)
+    static_spec, _ = best_by_speedup(traces, dict(zip(statics, statics)), dev_ids, cfg.profile)
     dev_choices = {"static": static_spec, "svip": svip_spec, "confidence": conf_spec}
     baselines = [*statics, "heuristic", "confidence", conf_spec, svip_spec, "oracle"]
-    learned = learned_controller(model, features, threshold, name, memo, stop)
-    test_results = replay(traces, [learned, *baselines], test_ids) if test_ids else []
+    learned = learned_controller(model, features, threshold, name, memo, stop, step_costs)
+    test_results = replay(traces, [learned, *baselines], test_ids,
+                          profile=cfg.profile) if test_ids else []
     summary = _test_summary(test_results, name, svip_spec) if test_results else None
     cost = traces.info["cost"]
     data_hash = hashlib.sha256()
@@ -131,9 +143,10 @@ def run_train(cfg: TrainConfig) -> dict:
     manifest = {
         "kind": cfg.kind, "features": list(features), "schema_version": SCHEMA_VERSION,
         "threshold": threshold, "stop": stop, "rule": STOP_RULES[stop],
+        "step_costs": list(step_costs) if stop == "cost" else None,
         # None for retrieval traces: no draft model (lookup times are per round, in the rows)
         "cost_ratio": cost["t_draft_s"] / cost["t_target_s"] if "t_draft_s" in cost else None,
-        "traces": str(cfg.traces),
+        "traces": str(cfg.traces), "profile": cfg.profile,
         "data_sha256": data_hash.hexdigest(), "target": traces.info["target"],
         "draft": traces.info["draft"], "seed": cfg.seed,
         "metrics": {"train": classification_metrics(model.predict(train.X), train.y),
@@ -158,7 +171,8 @@ def run_train(cfg: TrainConfig) -> dict:
 @dataclass
 class Fitted:
     """A model fitted on train prompts with the stop rule and threshold chosen for it on dev;
-    ``by_stop``: each candidate rule's best threshold and dev modelled speedup."""
+    ``by_stop``: each candidate rule's best threshold and dev modelled speedup;
+    ``step_costs``: the traces' cost curve as the cost rule reads it (empty without one)."""
 
     model: object
     threshold: float
@@ -166,6 +180,25 @@ class Fitted:
     dev_best: dict
     memo: dict
     by_stop: dict
+    step_costs: tuple[float, ...]
+
+
+def stop_rules(cfg: TrainConfig, traces: TraceSet) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """The stop rules to try on dev, and the step costs the cost rule reads: the draft step
+    and verification curve (the traces', or ``cfg.profile``'s) per draft position up to the
+    traces' cap. Retrieval and lookup-only traces record no draft step cost, so ``auto``
+    leaves the cost rule out there."""
+    info = traces.info
+    has_costs = "t_draft_s" in info["cost"] and info.get("drafter") != "retrieval"
+    if cfg.stop == "cost" and not has_costs:
+        raise DraftctlError(f"the cost stop rule needs a draft model's step cost, which the "
+                            f"traces in {traces.folder} do not record (retrieval or lookup "
+                            "drafts): use --stop token or path")
+    rules = tuple(STOP_RULES) if cfg.stop == "auto" else (cfg.stop,)
+    if not has_costs:
+        return tuple(r for r in rules if r != "cost"), ()
+    cost = CostModel.from_profile(cfg.profile) if cfg.profile else CostModel.from_run(info)
+    return rules, tuple(cost.step_costs(info["k_probe"]))
 
 
 def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
@@ -173,7 +206,8 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
                    name: str) -> Fitted:
     """Fit ``cfg.kind`` on the train examples' ``features`` (``columns`` names the examples'
     own columns), then choose its stop rule (``cfg.stop``) and threshold on dev by modelled
-    speedup: the candidate thresholds are quantiles of its dev predictions, for either rule."""
+    speedup: the candidate thresholds are quantiles of its dev predictions (for the cost rule,
+    over the mean step cost, so the bounds it sets span the same range)."""
     index = [columns.index(f) for f in features]
     train, dev = parts["train"], parts["dev"]
     model = fit(cfg.kind, train.X[:, index], train.y, train.prompt_ids, features, cfg.seed,
@@ -181,16 +215,20 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
     p_dev = model.predict(dev.X[:, index])
     grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
     memo: dict[bytes, float] = {}  # one model's scores: never shared between models
+    rules, step_costs = stop_rules(cfg, traces)
     by_stop, best = {}, {}
-    for stop in STOP_RULES if cfg.stop == "auto" else (cfg.stop,):
+    for stop in rules:
+        scale = 1 / (float(np.mean(np.abs(step_costs))) or 1.0) if stop == "cost" else 1.0
         threshold, best[stop] = best_by_speedup(
-            traces, {float(t): learned_controller(model, features, float(t), name, memo, stop)
+            traces, {float(t * scale): learned_controller(model, features, float(t * scale),
+                                                          name, memo, stop, step_costs)
                      for t in grid},
-            dev_ids)
+            dev_ids, cfg.profile)
         by_stop[stop] = {"threshold": threshold,
                          "dev_speedup": best[stop]["modelled_speedup"]}
     stop = max(by_stop, key=lambda rule: by_stop[rule]["dev_speedup"])
-    return Fitted(model, by_stop[stop]["threshold"], stop, best[stop], memo, by_stop)
+    return Fitted(model, by_stop[stop]["threshold"], stop, best[stop], memo, by_stop,
+                  step_costs)
 
 
 def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: TraceSet,
@@ -220,8 +258,9 @@ def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: T
         speedup = None
         if test_ids:
             [result] = replay(traces, [learned_controller(fitted.model, kept, fitted.threshold,
-                                                          name, fitted.memo, fitted.stop)],
-                              test_ids)
+                                                          name, fitted.memo, fitted.stop,
+                                                          fitted.step_costs)],
+                              test_ids, profile=cfg.profile)
             speedup = result["modelled_speedup"]
         row["threshold"], row["stop"], row["test_speedup"] = fitted.threshold, fitted.stop, speedup
         row["dev_speedup"] = fitted.by_stop[fitted.stop]["dev_speedup"]
