@@ -179,6 +179,11 @@ def test_train_models_time_with_another_profile(traces, tmp_path):
         "dev_speedup"]
     with pytest.raises(DraftctlError, match="profile not found: nowhere.json"):
         TrainConfig(profile="nowhere.json")
+    stranger = tmp_path / "stranger.json"
+    stranger.write_text(json.dumps(profile | {"target": profile["target"] | {"spec": "gpt-x"}}))
+    with pytest.raises(DraftctlError, match="measured for target 'gpt-x'.*but the traces"):
+        run_train(TrainConfig(traces=str(traces), kind="logreg", profile=str(stranger),
+                              out=str(tmp_path / "s"), grid=4))
 
 
 def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811

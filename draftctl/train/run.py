@@ -17,6 +17,7 @@ from draftctl.config import save_config
 from draftctl.controllers.learned import STOP_RULES, ScoreThreshold
 from draftctl.decode.features import FEATURE_GROUPS, SCHEMA_VERSION
 from draftctl.errors import DraftctlError
+from draftctl.profile import read_profile
 from draftctl.train.data import load_examples
 from draftctl.train.fit import KINDS, THRESHOLD_RULES, TorchModel, fit
 from draftctl.train.replay import CostModel, TraceSet, replay
@@ -113,6 +114,8 @@ def run_train(cfg: TrainConfig) -> dict:
     train, dev, test = parts["train"], parts["dev"], parts["test"]
     features = examples.features
     traces = TraceSet(cfg.traces)
+    if cfg.profile:
+        check_profile_pair(cfg.profile, traces)
     dev_ids = {int(i) for i in np.unique(dev.prompt_ids)}
     test_ids = {int(i) for i in np.unique(test.prompt_ids)}
     name = f"learned-{cfg.kind}"
@@ -168,11 +171,24 @@ def run_train(cfg: TrainConfig) -> dict:
     return report
 
 
+def check_profile_pair(path: str, traces: TraceSet) -> None:
+    """Refuse a profile measured for another target or draft than the traces'."""
+    profile = read_profile(path)
+    info = traces.info
+    target = profile["target"]["spec"]
+    draft = profile["draft"]["spec"] if profile["draft"] else None
+    if target != info["target"] or (info["draft"] is not None and draft != info["draft"]):
+        raise DraftctlError(f"profile {path} was measured for target {target!r} with draft "
+                            f"{draft!r}, but the traces in {traces.folder} are of "
+                            f"{info['target']!r} with {info['draft']!r}")
+
+
 @dataclass
 class Fitted:
     """A model fitted on train prompts with the stop rule and threshold chosen for it on dev;
     ``by_stop``: each candidate rule's best threshold and dev modelled speedup;
-    ``step_costs``: the traces' cost curve as the cost rule reads it (empty without one)."""
+    ``step_costs``: the cost curve (the traces' or the profile's) as the cost rule reads it
+    (empty without one)."""
 
     model: object
     threshold: float
