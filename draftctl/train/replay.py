@@ -321,6 +321,7 @@ def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller
     if not groups:
         raise TraceError(f"no traces of the selected prompts in {traces.folder}")
     greedy = info["decoding"]["temperature"] == 0
+    base_cost = CostModel.from_profile(profile) if profile else CostModel.from_run(info)
     results = []
     for item in controllers:
         if isinstance(item, Controller):
@@ -328,9 +329,7 @@ def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller
         else:
             controller, spec = (None, "oracle") if item == "oracle" else (make_controller(item),
                                                                           item)
-        t_ctrl = (t_controller or {}).get(spec, 0.0)
-        cost = CostModel.from_profile(profile, t_ctrl) if profile else CostModel.from_run(
-            info, t_ctrl)
+        cost = replace(base_cost, t_controller=(t_controller or {}).get(spec, 0.0))
         total = ReplayResult(spec)
         by_category: dict[str, ReplayResult] = {}
         for group in groups.values():
