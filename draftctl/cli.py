@@ -109,9 +109,11 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from draftctl.train.replay import replay
+    from draftctl.train.replay import CostModel, TraceSet, replay
 
-    results = replay(args.traces, expand_specs(args.controllers), profile=args.profile)
+    traces = TraceSet(args.traces)
+    cost = CostModel.for_traces(traces.info, args.profile, args.dtype, args.pass_shape)
+    results = replay(traces, expand_specs(args.controllers), cost=cost)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
@@ -197,7 +199,9 @@ def _train(args: argparse.Namespace) -> int:
                                                   "out": args.out, "seed": args.seed,
                                                   "rule": args.rule, "stop": args.stop,
                                                   "ablation": args.ablation or None,
-                                                  "profile": args.profile})
+                                                  "profile": args.profile,
+                                                  "dtype": args.dtype,
+                                                  "pass_shape": args.pass_shape})
     report = run_train(cfg)
     s = report["summary"]
     if s is None:
@@ -255,6 +259,17 @@ def _decoding_flags(parser: argparse.ArgumentParser, max_draft: bool = True,
                                              "bit-exact cheapest / free")
     parser.add_argument("--profile", help="a calibrated profile (default: this pair's, made by "
                                           "draftctl calibrate, or measured on first use)")
+
+
+def _cost_args(parser: argparse.ArgumentParser) -> None:
+    """replay's and train's --dtype and --pass-shape: time modelled for another deployment."""
+    parser.add_argument("--dtype", help="model time at this target dtype's curve (default: the "
+                                        "profile's choice; without --profile, the traces' "
+                                        "dtype)")
+    parser.add_argument("--pass-shape", help="model time at this pass shape: fixed:M, exact, "
+                                             "cheapest or free (default: the profile's choice "
+                                             "for the dtype); without --profile, read from the "
+                                             "profile the traces were collected with")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "static:4,svip,oracle")
     rep.add_argument("--profile", help="model time with this calibrated profile's curve and "
                                        "pass shape instead of the costs recorded at collection")
+    _cost_args(rep)
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(func=_replay)
 
@@ -458,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model time with this calibrated profile's cost curve and pass shape "
                          "instead of the traces' own: thresholds (and the cost rule's step "
                          "costs) for another deployment, e.g. padded passes")
+    _cost_args(tr)
     tr.set_defaults(func=_train)
 
     ex = sub.add_parser("export", help="write a trained controller as ONNX")

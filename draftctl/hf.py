@@ -669,7 +669,7 @@ def _run_info(model, assistant, spec: str, max_draft: int, generate_kwargs: dict
 
 
 def measured_cost(table) -> dict:
-    """The costs replay models time with (``draftctl.collect.run.profile_costs``' keys), from
+    """The costs replay models time with (``draftctl.profile.profile_costs``' keys), from
     the rounds of a trace table: a pass verifying n tokens takes the median measured
     verification of rounds that drafted n - 1 (sizes never run are interpolated), a draft step
     the median draft time per drafted token. transformers' passes are unpadded: shape ``free``.

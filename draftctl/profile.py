@@ -462,8 +462,8 @@ def read_profile(path: str | Path) -> dict:
 
 
 def check_profile(profile: dict, path: str | Path, target: str, draft: str | None,
-                  device: torch.device, dtype: str | None = None) -> None:
-    """Refuse a profile measured for other models, another device, or without ``dtype``."""
+                  device: torch.device) -> None:
+    """Refuse a profile measured for other models or another device."""
     made = profile["target"]
     if made["spec"] != target or made["sha256"] != model_file_sha256(target):
         raise ProfileError(f"profile {path} was measured for target {made['spec']!r}, not "
@@ -475,9 +475,6 @@ def check_profile(profile: dict, path: str | Path, target: str, draft: str | Non
     if torch.device(profile["device"]).type != device.type:
         raise ProfileError(f"profile {path} was measured on {profile['device']}, not "
                            f"{device.type}")
-    if dtype is not None and dtype not in made["by_dtype"]:
-        raise ProfileError(f"profile {path} was measured in {', '.join(made['by_dtype'])}, "
-                           f"not {dtype}: run draftctl calibrate --dtypes {dtype}")
 
 
 @dataclass(frozen=True)
@@ -536,15 +533,27 @@ def settle(target: str, draft: str | None, device: str | torch.device = "auto",
                    f"(draftctl calibrate redoes it)")
             data, path = calibrate(CalibrateConfig(target=target, draft=draft or "none",
                                                    device=str(dev)), progress)
-    check_profile(data, path, target, draft, dev, explicit)
-    target_dtype = explicit or data["target"]["dtype"]
-    if explicit is not None:
-        draft_dtype = explicit
+    check_profile(data, path, target, draft, dev)
+    return resolve_setup(data, path, explicit, pass_shape)
+
+
+def resolve_setup(data: dict, path: str | Path, dtype: str | None = None,
+                  pass_shape: str = "auto") -> Setup:
+    """What a profile gives a job asking for ``dtype`` (a dtype name; None: the profile's
+    choice, and the draft's own) and ``pass_shape`` (``auto``: the one chosen for that dtype;
+    ``cheapest``: each pass padded to its cheapest measured size; else ``PassShape.parse``'s)."""
+    made = data["target"]["by_dtype"]
+    if dtype is not None and dtype not in made:
+        raise ProfileError(f"profile {path} was measured in {', '.join(made)}, not {dtype}: "
+                           f"run draftctl calibrate --dtypes {dtype}")
+    target_dtype = dtype or data["target"]["dtype"]
+    if dtype is not None:
+        draft_dtype = dtype
     elif data["draft"] is not None:
         draft_dtype = data["draft"]["dtype"]
     else:
         draft_dtype = target_dtype
-    entry = data["target"]["by_dtype"][target_dtype]
+    entry = made[target_dtype]
     if pass_shape == "auto":
         shape = PassShape.parse(entry.get("pass_shape", f"fixed:{entry['rows']}"))
     elif pass_shape == "cheapest":
@@ -558,6 +567,24 @@ def settle(target: str, draft: str | None, device: str | torch.device = "auto",
             notice(f"the exact pass shape gave other logits for other splits when {path} was "
                    "calibrated: greedy SD may differ from plain decoding here (use fixed:M)")
     return Setup(target_dtype, draft_dtype, shape, data, str(path))
+
+
+def profile_costs(setup: Setup, shape: PassShape) -> dict:
+    """The costs ``replay`` models time with, from the calibrated profile: the target's raw
+    pass times (seconds, n = 1..N new tokens) in its dtype, the pass shape it runs at, a draft
+    step, and the fastest plain decoding's step."""
+    profile = setup.profile
+    target = shape_curve(profile["target"]["by_dtype"][setup.target_dtype], shape)
+    costs = {"t_verify_s": [target[n] / 1e3 for n in sorted(target)],
+             "t_target_s": target[1] / 1e3, "pass_shape": shape.describe(),
+             "pad_to": [shape.rows(n) for n in sorted(target)],
+             "t_fastest_plain_s": profile["fastest_plain"]["t_ms"] / 1e3,
+             "target_dtype": setup.target_dtype, "draft_dtype": setup.draft_dtype,
+             "profile": setup.profile_path}
+    draft = profile["draft"]
+    if draft is not None and setup.draft_dtype in draft["by_dtype"]:
+        costs["t_draft_s"] = curve(draft["by_dtype"][setup.draft_dtype])[1] / 1e3
+    return costs
 
 
 def batch_dtype(target: str, device: str | torch.device = "auto") -> str:

@@ -10,7 +10,7 @@ from draftctl.bench import run as bench_run
 from draftctl.bench.report import mismatch_notice, setup_line
 from draftctl.bench.run import BenchConfig, Run, keep_fastest, modelled_seconds, run_bench
 from draftctl.cli import main
-from draftctl.collect.run import CollectConfig, profile_costs, run_collect
+from draftctl.collect.run import CollectConfig, run_collect
 from draftctl.collect.traces import read_traces
 from draftctl.controllers import make_controller
 from draftctl.decode import DecodeConfig, SpeculativeDecoder, generate, loop, verify
@@ -19,7 +19,7 @@ from draftctl.decode.loop import GenerationResult, RoundRecord
 from draftctl.errors import DraftctlError
 from draftctl.export.onnx import export_onnx
 from draftctl.models import encode_prompt, load_model
-from draftctl.profile import settle
+from draftctl.profile import profile_costs, settle
 from draftctl.prompts import load_prompts
 from draftctl.retrieval.datastore import SEPARATOR, tokenizer_sha256, write_datastore
 from draftctl.train.replay import CostModel, replay

@@ -17,7 +17,7 @@ from draftctl.export.engines import export_engine
 from draftctl.export.onnx import export_onnx
 from draftctl.models import load_model
 from draftctl.train.data import load_examples
-from draftctl.train.replay import CostModel
+from draftctl.train.replay import CostModel, replay
 from draftctl.train.run import TrainConfig, run_train
 from tests.test_collect import config, pair  # noqa: F401  (pair is a fixture)
 
@@ -160,30 +160,68 @@ def test_train_chooses_the_stop_rule_on_dev(pair, traces, tmp_path):  # noqa: F8
         TrainConfig(stop="sum")
 
 
-def test_train_models_time_with_another_profile(traces, tmp_path):
-    """``profile``: thresholds and the cost rule's step costs for another deployment (here the
-    traces' own profile at another pass shape), not for the shape the traces were taken at."""
+def test_train_models_time_at_another_pass_shape(traces, tmp_path):
+    """``pass_shape`` (from the traces' own profile, or from ``profile``): thresholds and the
+    cost rule's step costs for another deployment, not for the shape the traces were taken
+    at. A missing or foreign profile, a dtype it lacks and an unknown shape are refused."""
     info = json.loads((traces / "run.json").read_text())
-    profile = json.loads(Path(info["cost"]["profile"]).read_text())
-    other = tmp_path / "fixed2.json"
-    other.write_text(json.dumps(profile | {"pass_shape": "fixed:2"}))
+    k_probe = info["k_probe"]
     report = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
-                                   profile=str(other), out=str(tmp_path / "m"), grid=4))
+                                   pass_shape="fixed:2", out=str(tmp_path / "m"), grid=4))
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
-    there = CostModel.from_profile(other).step_costs(info["k_probe"])
-    assert manifest["profile"] == str(other) and manifest["step_costs"] == pytest.approx(there)
-    assert there != pytest.approx(CostModel.from_run(info).step_costs(info["k_probe"]))
+    there = CostModel.for_traces(info, pass_shape="fixed:2").step_costs(k_probe)
+    assert manifest["pass_shape"] == "fixed:2" and manifest["step_costs"] == pytest.approx(there)
+    assert there != pytest.approx(CostModel.from_run(info).step_costs(k_probe))
     own = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
                                 out=str(tmp_path / "own"), grid=4))
     assert report["dev_by_stop"]["cost"]["dev_speedup"] != own["dev_by_stop"]["cost"][
         "dev_speedup"]
+    profile = json.loads(Path(info["cost"]["profile"]).read_text())
+    copy = tmp_path / "copy.json"
+    copy.write_text(json.dumps(profile))
+    again = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
+                                  profile=str(copy), dtype="float32", pass_shape="fixed:2",
+                                  out=str(tmp_path / "again"), grid=4))
+    assert again["dev_by_stop"] == report["dev_by_stop"]
     with pytest.raises(DraftctlError, match="profile not found: nowhere.json"):
         TrainConfig(profile="nowhere.json")
+    with pytest.raises(DraftctlError, match="unknown pass shape 'fixed:1'"):
+        TrainConfig(pass_shape="fixed:1")
+    with pytest.raises(DraftctlError, match="not float16: run draftctl calibrate"):
+        run_train(TrainConfig(traces=str(traces), kind="logreg", dtype="float16",
+                              out=str(tmp_path / "f16"), grid=4))
     stranger = tmp_path / "stranger.json"
     stranger.write_text(json.dumps(profile | {"target": profile["target"] | {"spec": "gpt-x"}}))
     with pytest.raises(DraftctlError, match="measured for target 'gpt-x'.*but the traces"):
         run_train(TrainConfig(traces=str(traces), kind="logreg", profile=str(stranger),
                               out=str(tmp_path / "s"), grid=4))
+
+
+def test_replay_cli_models_another_pass_shape(traces, tmp_path, capsys):
+    """``draftctl replay --pass-shape``: the traces' decisions timed at another shape of their
+    own profile; where that profile is gone, the error asks for --profile."""
+    args = ["replay", "--traces", str(traces), "--controllers", "static:1-3,oracle", "--json"]
+
+    def speedups(*extra) -> list[float]:
+        assert main([*args, *extra]) == 0
+        return [r["modelled_speedup"] for r in json.loads(capsys.readouterr().out)]
+
+    info = json.loads((traces / "run.json").read_text())
+    expected = replay(traces, ["static:1", "static:2", "static:3", "oracle"],
+                      cost=CostModel.for_traces(info, pass_shape="fixed:2"))
+    padded = speedups("--pass-shape", "fixed:2")
+    assert padded == pytest.approx([r["modelled_speedup"] for r in expected])
+    assert padded != pytest.approx(speedups())
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "run.json").write_text(json.dumps(
+        info | {"cost": info["cost"] | {"profile": str(tmp_path / "gone.json")}}))
+    for shard in traces.iterdir():
+        if shard.name != "run.json":
+            (moved / shard.name).symlink_to(shard)
+    assert main(["replay", "--traces", str(moved), "--controllers", "static:2",
+                 "--pass-shape", "fixed:2"]) == 2
+    assert "gone.json) is not here: pass --profile" in capsys.readouterr().err
 
 
 def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811

@@ -11,7 +11,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from draftctl.bench.report import write_answers, write_markdown, write_plots
-from draftctl.collect.run import profile_costs
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
 from draftctl.controllers.rules import ReferenceOracle
@@ -20,7 +19,7 @@ from draftctl.decode.loop import GenerationResult
 from draftctl.drafters import MODEL, parse_drafter
 from draftctl.errors import DraftctlError
 from draftctl.models import DEFAULT_TARGET, default_draft, encode_prompt, load_model
-from draftctl.profile import Setup, settle
+from draftctl.profile import Setup, profile_costs, settle
 from draftctl.prompts import load_prompts
 from draftctl.train.replay import CostModel
 

@@ -39,7 +39,7 @@ from draftctl.models import (
     load_model,
     model_file_sha256,
 )
-from draftctl.profile import Setup, curve, settle, shape_curve
+from draftctl.profile import profile_costs, settle
 from draftctl.prompts import load_prompts
 
 MODES = ("probe", "policy", "dense")
@@ -146,24 +146,6 @@ def dense_rows(decoder: SpeculativeDecoder, prompt_ids: list[int], k_probe: int,
                          "target_token": truth[j] if j < len(truth) else -1,
                          "match_len": match, "output_len": n_out})
     return rows
-
-
-def profile_costs(setup: Setup, shape: PassShape) -> dict:
-    """The costs ``replay`` models time with, from the calibrated profile: the target's raw
-    pass times (seconds, n = 1..N new tokens) in its dtype, the pass shape it runs at, a draft
-    step, and the fastest plain decoding's step."""
-    profile = setup.profile
-    target = shape_curve(profile["target"]["by_dtype"][setup.target_dtype], shape)
-    costs = {"t_verify_s": [target[n] / 1e3 for n in sorted(target)],
-             "t_target_s": target[1] / 1e3, "pass_shape": shape.describe(),
-             "pad_to": [shape.rows(n) for n in sorted(target)],
-             "t_fastest_plain_s": profile["fastest_plain"]["t_ms"] / 1e3,
-             "target_dtype": setup.target_dtype, "draft_dtype": setup.draft_dtype,
-             "profile": setup.profile_path}
-    draft = profile["draft"]
-    if draft is not None and setup.draft_dtype in draft["by_dtype"]:
-        costs["t_draft_s"] = curve(draft["by_dtype"][setup.draft_dtype])[1] / 1e3
-    return costs
 
 
 def _run_info(cfg: CollectConfig, drafter: DrafterSpec, draft_spec: str | None, costs: dict,

@@ -45,7 +45,7 @@ from draftctl.decode.features import (
     SequenceState,
     check_trace_schema,
 )
-from draftctl.profile import curve, pass_time, read_profile
+from draftctl.profile import pass_time, profile_costs, read_profile, resolve_setup
 from draftctl.prompts import task_of
 from draftctl.retrieval.features import accepted_mask, prune, tried_chain
 
@@ -79,14 +79,38 @@ class CostModel:
                    cost.get("t_fastest_plain_s"))
 
     @classmethod
-    def from_profile(cls, path: str | Path, t_controller: float = 0.0) -> CostModel:
-        """From a calibrated profile: its target dtype's curve and pass shape."""
-        profile = read_profile(path)
-        target = curve(profile["target"])
-        draft = curve(profile["draft"])[1] / 1e3 if profile["draft"] else 0.0
-        return cls(draft, tuple(target[n] / 1e3 for n in sorted(target)), t_controller,
-                   PassShape.parse(profile["pass_shape"]),
-                   profile["fastest_plain"]["t_ms"] / 1e3)
+    def from_profile(cls, path: str | Path, t_controller: float = 0.0, dtype: str | None = None,
+                     pass_shape: str = "auto", draft_dtype: str | None = None) -> CostModel:
+        """From a calibrated profile: the curve of the target's ``dtype`` (default: the one the
+        profile chose) at ``pass_shape`` (default: the one it chose for that dtype), as a
+        decoding job run with that profile, dtype and shape would have; ``draft_dtype`` sets
+        the draft's apart from the target's."""
+        setup = resolve_setup(read_profile(path), path, dtype, pass_shape)
+        if draft_dtype is not None:
+            setup = replace(setup, draft_dtype=draft_dtype)
+        return cls.from_run({"cost": profile_costs(setup, setup.shape)}, t_controller)
+
+    @classmethod
+    def for_traces(cls, info: dict, profile: str | Path | None = None, dtype: str | None = None,
+                   pass_shape: str | None = None) -> CostModel:
+        """The cost model for a trace folder's ``run.json``: the costs recorded at collection,
+        or ``profile``'s. ``dtype`` or ``pass_shape`` model another dtype or pass shape; with
+        no ``profile`` they are read from the profile the traces were collected with, in the
+        traces' dtypes unless ``dtype`` says otherwise."""
+        if profile is None and dtype is None and pass_shape is None:
+            return cls.from_run(info)
+        if profile is None:
+            recorded = info["cost"].get("profile")
+            if not recorded or not Path(recorded).is_file():
+                raise TraceError(f"another dtype or pass shape is modelled from a calibrated "
+                                 f"profile, and the traces' own ({recorded or 'none recorded'})"
+                                 " is not here: pass --profile")
+            if dtype is None:
+                return cls.from_profile(recorded, dtype=info["cost"].get("target_dtype"),
+                                        pass_shape=pass_shape or "auto",
+                                        draft_dtype=info["cost"].get("draft_dtype"))
+            profile = recorded
+        return cls.from_profile(profile, dtype=dtype, pass_shape=pass_shape or "auto")
 
     @cached_property
     def _curve(self) -> dict[int, float]:
@@ -311,9 +335,9 @@ class TraceSet:
 def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller],
            prompt_ids: set[int] | None = None,
            t_controller: dict[str, float] | None = None,
-           profile: str | Path | None = None) -> list[dict]:
+           cost: CostModel | None = None) -> list[dict]:
     """Replay each controller (a spec, ``oracle``, or a built controller) over traces; time
-    is modelled with the costs recorded at collection, or with ``profile``'s."""
+    is modelled with ``cost`` (default: the costs recorded at collection)."""
     traces = traces if isinstance(traces, TraceSet) else TraceSet(traces)
     info, groups = traces.info, traces.groups
     if prompt_ids is not None:
@@ -321,7 +345,7 @@ def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller
     if not groups:
         raise TraceError(f"no traces of the selected prompts in {traces.folder}")
     greedy = info["decoding"]["temperature"] == 0
-    base_cost = CostModel.from_profile(profile) if profile else CostModel.from_run(info)
+    base_cost = cost or CostModel.from_run(info)
     results = []
     for item in controllers:
         if isinstance(item, Controller):
@@ -329,17 +353,17 @@ def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller
         else:
             controller, spec = (None, "oracle") if item == "oracle" else (make_controller(item),
                                                                           item)
-        cost = replace(base_cost, t_controller=(t_controller or {}).get(spec, 0.0))
+        spec_cost = replace(base_cost, t_controller=(t_controller or {}).get(spec, 0.0))
         total = ReplayResult(spec)
         by_category: dict[str, ReplayResult] = {}
         for group in groups.values():
             if info.get("drafter") == "retrieval":
-                part = replay_tree_prompt(group, controller, cost, spec)
+                part = replay_tree_prompt(group, controller, spec_cost, spec)
             elif info["mode"] == "dense":
-                part = replay_dense_prompt(group, controller, cost, info["k_probe"],
+                part = replay_dense_prompt(group, controller, spec_cost, info["k_probe"],
                                            info["decoding"]["max_new_tokens"], spec)
             else:
-                part = replay_rounds_prompt(group, controller, cost, greedy, spec)
+                part = replay_rounds_prompt(group, controller, spec_cost, greedy, spec)
             total.add(part)
             by_category.setdefault(task_of(group["category"]), ReplayResult(spec)).add(part)
         summary = total.summary()

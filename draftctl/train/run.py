@@ -15,6 +15,7 @@ import torch
 from draftctl.collect.traces import shard_files
 from draftctl.config import save_config
 from draftctl.controllers.learned import STOP_RULES, ScoreThreshold
+from draftctl.decode.cached_lm import PassShape
 from draftctl.decode.features import FEATURE_GROUPS, SCHEMA_VERSION
 from draftctl.errors import DraftctlError
 from draftctl.profile import read_profile
@@ -42,6 +43,10 @@ class TrainConfig:
     # model time with this calibrated profile's cost curve and pass shape instead of the one
     # recorded with the traces: a controller for another deployment (say, padded passes)
     profile: str | None = None
+    # model time in this target dtype or pass shape (fixed:M, exact, cheapest, free), from
+    # ``profile``, or else from the profile the traces were collected with
+    dtype: str | None = None
+    pass_shape: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -52,6 +57,8 @@ class TrainConfig:
         if self.stop not in ("auto", *STOP_RULES):
             raise DraftctlError(f"unknown stop rule {self.stop!r}: use auto, "
                                 f"{', '.join(STOP_RULES)}")
+        if self.pass_shape not in (None, "auto", "cheapest"):
+            PassShape.parse(self.pass_shape)  # refuses an unknown shape before any fitting
         if self.profile is not None and not Path(self.profile).is_file():
             raise DraftctlError(f"profile not found: {self.profile} (make one with draftctl "
                                 "calibrate --out PATH)")
@@ -77,10 +84,10 @@ def learned_controller(model, features, threshold: float, spec: str,
 
 
 def best_by_speedup(traces: TraceSet, candidates: dict, prompt_ids: set[int],
-                    profile: str | None = None) -> tuple:
+                    cost: CostModel | None = None) -> tuple:
     """(key, result) of the candidate controller with the highest modelled speedup (time
-    from the traces' costs, or from ``profile``'s)."""
-    results = replay(traces, list(candidates.values()), prompt_ids, profile=profile)
+    from ``cost``, by default the traces' recorded costs)."""
+    results = replay(traces, list(candidates.values()), prompt_ids, cost=cost)
     best = max(range(len(results)), key=lambda i: results[i]["modelled_speedup"])
     return list(candidates)[best], results[best]
 
@@ -116,30 +123,31 @@ def run_train(cfg: TrainConfig) -> dict:
     traces = TraceSet(cfg.traces)
     if cfg.profile:
         check_profile_pair(cfg.profile, traces)
+    cost = CostModel.for_traces(traces.info, cfg.profile, cfg.dtype, cfg.pass_shape)
     dev_ids = {int(i) for i in np.unique(dev.prompt_ids)}
     test_ids = {int(i) for i in np.unique(test.prompt_ids)}
     name = f"learned-{cfg.kind}"
-    fitted = fit_and_choose(cfg, parts, features, features, traces, dev_ids, name)
+    fitted = fit_and_choose(cfg, parts, features, features, traces, dev_ids, name, cost)
     model, threshold, dev_best, memo = fitted.model, fitted.threshold, fitted.dev_best, fitted.memo
     stop, step_costs = fitted.stop, fitted.step_costs
     p_dev = model.predict(dev.X)
     svip_spec, _ = best_by_speedup(
         traces, {f"svip:{t:.2f}": f"svip:{t:.2f}" for t in np.arange(0.1, 1.01, 0.05)}, dev_ids,
-        cfg.profile)
+        cost)
     conf_spec, _ = best_by_speedup(
         traces, {f"confidence:{t:.2f}": f"confidence:{t:.2f}"
-                 for t in np.arange(0.05, 0.96, 0.05)}, dev_ids, cfg.profile)
+                 for t in np.arange(0.05, 0.96, 0.05)}, dev_ids, cost)
 
     k_probe = traces.info["k_probe"]
     statics = [f"static:{k}" for k in range(1, k_probe + 1)]
-    static_spec, _ = best_by_speedup(traces, dict(zip(statics, statics)), dev_ids, cfg.profile)
+    static_spec, _ = best_by_speedup(traces, dict(zip(statics, statics)), dev_ids, cost)
     dev_choices = {"static": static_spec, "svip": svip_spec, "confidence": conf_spec}
     baselines = [*statics, "heuristic", "confidence", conf_spec, svip_spec, "oracle"]
     learned = learned_controller(model, features, threshold, name, memo, stop, step_costs)
     test_results = replay(traces, [learned, *baselines], test_ids,
-                          profile=cfg.profile) if test_ids else []
+                          cost=cost) if test_ids else []
     summary = _test_summary(test_results, name, svip_spec) if test_results else None
-    cost = traces.info["cost"]
+    recorded = traces.info["cost"]
     data_hash = hashlib.sha256()
     for path in shard_files(cfg.traces):
         data_hash.update(path.read_bytes())
@@ -148,8 +156,10 @@ def run_train(cfg: TrainConfig) -> dict:
         "threshold": threshold, "stop": stop, "rule": STOP_RULES[stop],
         "step_costs": list(step_costs) if stop == "cost" else None,
         # None for retrieval traces: no draft model (lookup times are per round, in the rows)
-        "cost_ratio": cost["t_draft_s"] / cost["t_target_s"] if "t_draft_s" in cost else None,
-        "traces": str(cfg.traces), "profile": cfg.profile,
+        "cost_ratio": recorded["t_draft_s"] / recorded["t_target_s"]
+        if "t_draft_s" in recorded else None,
+        "traces": str(cfg.traces), "profile": cfg.profile, "dtype": cfg.dtype,
+        "pass_shape": cost.shape.describe(),
         "data_sha256": data_hash.hexdigest(), "target": traces.info["target"],
         "draft": traces.info["draft"], "seed": cfg.seed,
         "metrics": {"train": classification_metrics(model.predict(train.X), train.y),
@@ -165,7 +175,8 @@ def run_train(cfg: TrainConfig) -> dict:
               "dev_choices": dev_choices, "test_replay": test_results}
     if cfg.ablation:
         full = next((r["modelled_speedup"] for r in test_results if r["spec"] == name), None)
-        report["ablation"] = ablation(cfg, parts, features, traces, dev_ids, test_ids, full)
+        report["ablation"] = ablation(cfg, parts, features, traces, dev_ids, test_ids, full,
+                                      cost)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report))
     return report
@@ -199,10 +210,10 @@ class Fitted:
     step_costs: tuple[float, ...]
 
 
-def stop_rules(cfg: TrainConfig, traces: TraceSet) -> tuple[tuple[str, ...], tuple[float, ...]]:
-    """The stop rules to try on dev, and the step costs the cost rule reads: the draft step
-    and verification curve (the traces', or ``cfg.profile``'s) per draft position up to the
-    traces' cap. Retrieval and lookup-only traces record no draft step cost, so ``auto``
+def stop_rules(cfg: TrainConfig, traces: TraceSet,
+               cost: CostModel) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """The stop rules to try on dev, and the step costs the cost rule reads: ``cost``'s draft
+    step and verification curve per draft position up to the traces' cap. Retrieval and lookup-only traces record no draft step cost, so ``auto``
     leaves the cost rule out there."""
     info = traces.info
     has_costs = "t_draft_s" in info["cost"] and info.get("drafter") != "retrieval"
@@ -213,13 +224,12 @@ def stop_rules(cfg: TrainConfig, traces: TraceSet) -> tuple[tuple[str, ...], tup
     rules = tuple(STOP_RULES) if cfg.stop == "auto" else (cfg.stop,)
     if not has_costs:
         return tuple(r for r in rules if r != "cost"), ()
-    cost = CostModel.from_profile(cfg.profile) if cfg.profile else CostModel.from_run(info)
     return rules, tuple(cost.step_costs(info["k_probe"]))
 
 
 def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
                    columns: tuple[str, ...], traces: TraceSet, dev_ids: set[int],
-                   name: str) -> Fitted:
+                   name: str, cost: CostModel) -> Fitted:
     """Fit ``cfg.kind`` on the train examples' ``features`` (``columns`` names the examples'
     own columns), then choose its stop rule (``cfg.stop``) and threshold on dev by modelled
     speedup: the candidate thresholds are quantiles of its dev predictions (for the cost rule,
@@ -231,7 +241,7 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
     p_dev = model.predict(dev.X[:, index])
     grid = np.unique(np.r_[0.0, np.quantile(p_dev, np.linspace(0.0, 0.9, cfg.grid))])
     memo: dict[bytes, float] = {}  # one model's scores: never shared between models
-    rules, step_costs = stop_rules(cfg, traces)
+    rules, step_costs = stop_rules(cfg, traces, cost)
     by_stop, best = {}, {}
     for stop in rules:
         scale = 1 / (float(np.mean(np.abs(step_costs))) or 1.0) if stop == "cost" else 1.0
@@ -239,7 +249,7 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
             traces, {float(t * scale): learned_controller(model, features, float(t * scale),
                                                           name, memo, stop, step_costs)
                      for t in grid},
-            dev_ids, cfg.profile)
+            dev_ids, cost)
         by_stop[stop] = {"threshold": threshold,
                          "dev_speedup": best[stop]["modelled_speedup"]}
     stop = max(by_stop, key=lambda rule: by_stop[rule]["dev_speedup"])
@@ -248,7 +258,8 @@ def fit_and_choose(cfg: TrainConfig, parts: dict, features: tuple[str, ...],
 
 
 def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: TraceSet,
-             dev_ids: set[int], test_ids: set[int], full_speedup: float | None) -> list[dict]:
+             dev_ids: set[int], test_ids: set[int], full_speedup: float | None,
+             cost: CostModel) -> list[dict]:
     """One row per feature group: the model refitted without it (its stop rule and threshold
     chosen on dev again), its dev and test AUC, its dev and test modelled speedup, and the
     test speedup over the full model's. Groups the traces do not carry are listed as
@@ -265,7 +276,7 @@ def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: T
             rows.append(row | {"note": "no feature left"})
             continue
         name = f"learned-{cfg.kind}-without-{group}"
-        fitted = fit_and_choose(cfg, parts, kept, features, traces, dev_ids, name)
+        fitted = fit_and_choose(cfg, parts, kept, features, traces, dev_ids, name, cost)
         index = [features.index(f) for f in kept]
         for split in ("dev", "test"):
             part = parts[split]
@@ -276,7 +287,7 @@ def ablation(cfg: TrainConfig, parts: dict, features: tuple[str, ...], traces: T
             [result] = replay(traces, [learned_controller(fitted.model, kept, fitted.threshold,
                                                           name, fitted.memo, fitted.stop,
                                                           fitted.step_costs)],
-                              test_ids, profile=cfg.profile)
+                              test_ids, cost=cost)
             speedup = result["modelled_speedup"]
         row["threshold"], row["stop"], row["test_speedup"] = fitted.threshold, fitted.stop, speedup
         row["dev_speedup"] = fitted.by_stop[fitted.stop]["dev_speedup"]
