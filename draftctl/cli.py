@@ -109,11 +109,11 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from draftctl.train.replay import CostModel, TraceSet, replay
+    from draftctl.train.replay import TraceSet, replay
 
     traces = TraceSet(args.traces)
-    cost = CostModel.for_traces(traces.info, args.profile, args.dtype, args.pass_shape)
-    results = replay(traces, expand_specs(args.controllers), cost=cost)
+    results = replay(traces, expand_specs(args.controllers),
+                     cost=traces.cost_model(args.profile, args.dtype, args.pass_shape))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0

@@ -199,7 +199,8 @@ def test_train_models_time_at_another_pass_shape(traces, tmp_path):
 
 def test_replay_cli_models_another_pass_shape(traces, tmp_path, capsys):
     """``draftctl replay --pass-shape``: the traces' decisions timed at another shape of their
-    own profile; where that profile is gone, the error asks for --profile."""
+    own profile; where that profile is gone, the error asks for --profile, and a profile of
+    another draft is refused."""
     args = ["replay", "--traces", str(traces), "--controllers", "static:1-3,oracle", "--json"]
 
     def speedups(*extra) -> list[float]:
@@ -222,6 +223,11 @@ def test_replay_cli_models_another_pass_shape(traces, tmp_path, capsys):
     assert main(["replay", "--traces", str(moved), "--controllers", "static:2",
                  "--pass-shape", "fixed:2"]) == 2
     assert "gone.json) is not here: pass --profile" in capsys.readouterr().err
+    profile = json.loads(Path(info["cost"]["profile"]).read_text())
+    stranger = tmp_path / "stranger.json"
+    stranger.write_text(json.dumps(profile | {"draft": profile["draft"] | {"spec": "tiny-x"}}))
+    assert main([*args, "--profile", str(stranger)]) == 2
+    assert "with draft 'tiny-x', but the traces" in capsys.readouterr().err
 
 
 def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811

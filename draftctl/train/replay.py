@@ -331,6 +331,21 @@ class TraceSet:
         check_trace_schema(self.info, folder)
         self.groups = _prompt_groups(read_traces(folder))
 
+    def cost_model(self, profile: str | Path | None = None, dtype: str | None = None,
+                   pass_shape: str | None = None) -> CostModel:
+        """``CostModel.for_traces`` of these traces, refusing a ``profile`` measured for
+        another target or draft than theirs."""
+        if profile is not None:
+            made = read_profile(profile)
+            target = made["target"]["spec"]
+            draft = made["draft"]["spec"] if made["draft"] else None
+            info = self.info
+            if target != info["target"] or (info["draft"] is not None and draft != info["draft"]):
+                raise TraceError(f"profile {profile} was measured for target {target!r} with "
+                                 f"draft {draft!r}, but the traces in {self.folder} are of "
+                                 f"{info['target']!r} with {info['draft']!r}")
+        return CostModel.for_traces(self.info, profile, dtype, pass_shape)
+
 
 def replay(traces: str | Path | TraceSet, controllers: Sequence[str | Controller],
            prompt_ids: set[int] | None = None,

@@ -18,7 +18,6 @@ from draftctl.controllers.learned import STOP_RULES, ScoreThreshold
 from draftctl.decode.cached_lm import PassShape
 from draftctl.decode.features import FEATURE_GROUPS, SCHEMA_VERSION
 from draftctl.errors import DraftctlError
-from draftctl.profile import read_profile
 from draftctl.train.data import load_examples
 from draftctl.train.fit import KINDS, THRESHOLD_RULES, TorchModel, fit
 from draftctl.train.replay import CostModel, TraceSet, replay
@@ -121,9 +120,7 @@ def run_train(cfg: TrainConfig) -> dict:
     train, dev, test = parts["train"], parts["dev"], parts["test"]
     features = examples.features
     traces = TraceSet(cfg.traces)
-    if cfg.profile:
-        check_profile_pair(cfg.profile, traces)
-    cost = CostModel.for_traces(traces.info, cfg.profile, cfg.dtype, cfg.pass_shape)
+    cost = traces.cost_model(cfg.profile, cfg.dtype, cfg.pass_shape)
     dev_ids = {int(i) for i in np.unique(dev.prompt_ids)}
     test_ids = {int(i) for i in np.unique(test.prompt_ids)}
     name = f"learned-{cfg.kind}"
@@ -180,18 +177,6 @@ def run_train(cfg: TrainConfig) -> dict:
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report))
     return report
-
-
-def check_profile_pair(path: str, traces: TraceSet) -> None:
-    """Refuse a profile measured for another target or draft than the traces'."""
-    profile = read_profile(path)
-    info = traces.info
-    target = profile["target"]["spec"]
-    draft = profile["draft"]["spec"] if profile["draft"] else None
-    if target != info["target"] or (info["draft"] is not None and draft != info["draft"]):
-        raise DraftctlError(f"profile {path} was measured for target {target!r} with draft "
-                            f"{draft!r}, but the traces in {traces.folder} are of "
-                            f"{info['target']!r} with {info['draft']!r}")
 
 
 @dataclass
