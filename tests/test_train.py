@@ -200,7 +200,7 @@ def test_train_models_time_at_another_pass_shape(traces, tmp_path):
 def test_replay_cli_models_another_pass_shape(traces, tmp_path, capsys):
     """``draftctl replay --pass-shape``: the traces' decisions timed at another shape of their
     own profile; where that profile is gone, the error asks for --profile, and a profile of
-    another draft is refused."""
+    another draft, or of other weights under the draft's name, is refused."""
     args = ["replay", "--traces", str(traces), "--controllers", "static:1-3,oracle", "--json"]
 
     def speedups(*extra) -> list[float]:
@@ -227,7 +227,11 @@ def test_replay_cli_models_another_pass_shape(traces, tmp_path, capsys):
     stranger = tmp_path / "stranger.json"
     stranger.write_text(json.dumps(profile | {"draft": profile["draft"] | {"spec": "tiny-x"}}))
     assert main([*args, "--profile", str(stranger)]) == 2
-    assert "with draft 'tiny-x', but the traces" in capsys.readouterr().err
+    assert "for draft 'tiny-x' (sha256" in capsys.readouterr().err
+    retrained = tmp_path / "retrained.json"
+    retrained.write_text(json.dumps(profile | {"draft": profile["draft"] | {"sha256": "0" * 64}}))
+    assert main([*args, "--profile", str(retrained)]) == 2
+    assert "(sha256 000000000000), but the traces" in capsys.readouterr().err
 
 
 def test_train_without_test_prompts_still_chooses_on_dev(pair, tmp_path):  # noqa: F811

@@ -334,16 +334,21 @@ class TraceSet:
     def cost_model(self, profile: str | Path | None = None, dtype: str | None = None,
                    pass_shape: str | None = None) -> CostModel:
         """``CostModel.for_traces`` of these traces, refusing a ``profile`` measured for
-        another target or draft than theirs."""
+        another target or draft than theirs (by name, or by weights' hash where both record
+        it)."""
         if profile is not None:
-            made = read_profile(profile)
-            target = made["target"]["spec"]
-            draft = made["draft"]["spec"] if made["draft"] else None
-            info = self.info
-            if target != info["target"] or (info["draft"] is not None and draft != info["draft"]):
-                raise TraceError(f"profile {profile} was measured for target {target!r} with "
-                                 f"draft {draft!r}, but the traces in {self.folder} are of "
-                                 f"{info['target']!r} with {info['draft']!r}")
+            made, info = read_profile(profile), self.info
+            draft = made["draft"] or {}
+            theirs = [("target", made["target"], info["target"], info.get("target_sha256"))]
+            if info["draft"] is not None:
+                theirs.append(("draft", draft, info["draft"], info.get("draft_sha256")))
+            for role, entry, spec, sha in theirs:
+                if entry.get("spec") != spec or (sha and entry.get("sha256")
+                                                 and entry["sha256"] != sha):
+                    raise TraceError(
+                        f"profile {profile} was measured for {role} {entry.get('spec')!r} "
+                        f"(sha256 {str(entry.get('sha256'))[:12]}), but the traces in "
+                        f"{self.folder} are of {spec!r} (sha256 {str(sha)[:12]})")
         return CostModel.for_traces(self.info, profile, dtype, pass_shape)
 
 
