@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from draftctl.config import save_config
 from draftctl.controllers import make_controller
+from draftctl.controllers.learned import pass_shape_notice
 from draftctl.decode import DecodingOptions, GenerationResult, SpeculativeDecoder, generate
 from draftctl.drafters import parse_drafter
 from draftctl.errors import DraftctlError
@@ -58,6 +59,8 @@ def run_decode(job: DecodeJob) -> Decoded:
                        "model: pass --draft SPEC (a model sharing the target's tokenizer), "
                        "--drafter lookup, or --controller none for plain decoding")
     setup = settle(job.target, draft_spec, job.device, job.dtype, job.pass_shape, job.profile)
+    pass_shape_notice(job.controller, controller,
+                      "free" if drafter.tree else setup.shape.describe())
     config = job.decode_config(setup.shape)
     target = load_model(job.target, job.device, setup.target_dtype)
     draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \

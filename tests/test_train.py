@@ -160,10 +160,11 @@ def test_train_chooses_the_stop_rule_on_dev(pair, traces, tmp_path):  # noqa: F8
         TrainConfig(stop="sum")
 
 
-def test_train_models_time_at_another_pass_shape(traces, tmp_path):
+def test_train_models_time_at_another_pass_shape(pair, traces, tmp_path, capsys):  # noqa: F811
     """``pass_shape`` (from the traces' own profile, or from ``profile``): thresholds and the
     cost rule's step costs for another deployment, not for the shape the traces were taken
-    at. A missing or foreign profile, a dtype it lacks and an unknown shape are refused."""
+    at; the ONNX file names that shape, and decoding at another one says so. A missing or
+    foreign profile, a dtype it lacks and an unknown shape are refused."""
     info = json.loads((traces / "run.json").read_text())
     k_probe = info["k_probe"]
     report = run_train(TrainConfig(traces=str(traces), kind="logreg", stop="cost",
@@ -183,6 +184,16 @@ def test_train_models_time_at_another_pass_shape(traces, tmp_path):
                                   profile=str(copy), dtype="float32", pass_shape="fixed:2",
                                   out=str(tmp_path / "again"), grid=4))
     assert again["dev_by_stop"] == report["dev_by_stop"]
+    export_onnx(tmp_path / "m", tmp_path / "m.onnx")
+    assert make_controller(f"onnx:{tmp_path / 'm.onnx'}").pass_shape == "fixed:2"
+    target, draft, _ = pair
+    decode = ["decode", "--target", target, "--draft", draft, "--controller",
+              f"onnx:{tmp_path / 'm.onnx'}", "--prompt", "w1", "--max-new-tokens", "6",
+              "--device", "cpu", "--dtype", "float32", "--json"]
+    assert main([*decode, "--pass-shape", "fixed:4"]) == 0
+    assert "chosen for pass shape fixed:2, and this run's is fixed:4" in capsys.readouterr().err
+    assert main([*decode, "--pass-shape", "fixed:2"]) == 0
+    assert "chosen for pass shape" not in capsys.readouterr().err
     with pytest.raises(DraftctlError, match="profile not found: nowhere.json"):
         TrainConfig(profile="nowhere.json")
     with pytest.raises(DraftctlError, match="unknown pass shape 'fixed:1'"):

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from draftctl.bench.report import write_answers, write_markdown, write_plots
 from draftctl.config import save_config
 from draftctl.controllers import expand_specs, make_controller, split_drafter
+from draftctl.controllers.learned import pass_shape_notice
 from draftctl.controllers.rules import ReferenceOracle
 from draftctl.decode import DecodeConfig, DecodingOptions, SpeculativeDecoder, generate
 from draftctl.decode.loop import GenerationResult
@@ -265,6 +266,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
     setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, cfg.pass_shape, cfg.profile,
                    progress)
+    for spec, controller in controllers.items():  # retrieval drafts' tries run unpadded
+        pass_shape_notice(spec, controller, "free" if parsed[drafter_of[spec]].tree
+                          else setup.shape.describe())
     decode_config = cfg.decode_config(setup.shape)
     target = load_model(cfg.target, cfg.device, setup.target_dtype)
     draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from draftctl.console import notice
 from draftctl.controllers.base import Action, Controller
 from draftctl.decode.features import FEATURE_NAMES, SCHEMA_VERSION, SchemaMismatchError
 from draftctl.errors import DraftctlError
@@ -53,11 +54,12 @@ class ScoreThreshold(Controller):
     The path and cost rules find a token's predecessors by ``draft_pos``, so they need each
     token asked after its predecessors and before any other branch (a chain, or a tree walked
     depth first).
+    pass_shape: the pass shape the threshold (and step costs) were chosen at, where known.
     """
 
     def __init__(self, score: Callable[[np.ndarray], float], features: Sequence[str],
                  threshold: float, n_max: int = 40, stop: str = "token",
-                 step_costs: Sequence[float] = ()):
+                 step_costs: Sequence[float] = (), pass_shape: str | None = None):
         check_features(features)
         if stop not in STOP_RULES:
             raise DraftctlError(f"unknown stop rule {stop!r}: use {', '.join(STOP_RULES)}")
@@ -71,6 +73,7 @@ class ScoreThreshold(Controller):
         self.threshold = threshold
         self.n_max = n_max
         self.stop = stop
+        self.pass_shape = pass_shape
         self.path: list[float] = []  # products of scores along the current branch, by depth
 
     def reset(self) -> None:
@@ -153,4 +156,15 @@ def onnx_controller(path: str, threshold: float | None = None) -> ScoreThreshold
 
     score(np.zeros((1, len(features)), dtype=np.float32))  # warm-up
     chosen = float(meta["draftctl_threshold"]) if threshold is None else threshold
-    return ScoreThreshold(score, features, chosen, stop=stop, step_costs=step_costs)
+    return ScoreThreshold(score, features, chosen, stop=stop, step_costs=step_costs,
+                          pass_shape=meta.get("draftctl_pass_shape"))
+
+
+def pass_shape_notice(spec: str, controller: Controller, shape: str) -> None:
+    """Say so where a learned controller's threshold was chosen at another pass shape than
+    the one it runs at: decoding stays lossless, but its stop rule was tuned for other costs."""
+    made = getattr(controller, "pass_shape", None)
+    if made and made != shape:
+        notice(f"{spec}: its threshold was chosen for pass shape {made}, and this run's is "
+               f"{shape}; output is unchanged, but draftctl train --pass-shape {shape} tunes it "
+               "for these costs")

@@ -4,7 +4,8 @@ scikit-learn pipelines go through skl2onnx (``zipmap=False``: a plain probabilit
 the MLP through ``torch.onnx.export``, threshold rules through a three-node graph. The ONNX
 file carries ``draftctl_features`` (input order), ``draftctl_schema_version``,
 ``draftctl_threshold``, ``draftctl_stop_rule`` (token, path or cost; the cost rule's
-``draftctl_step_costs`` too) and which output holds the acceptance probability;
+``draftctl_step_costs`` too), ``draftctl_pass_shape`` (the pass shape its threshold was
+chosen at) and which output holds the acceptance probability;
 ``onnx:PATH`` reads them back. Every export is checked against the native model on 1,000
 rows.
 """
@@ -115,6 +116,8 @@ def export_onnx(model_dir: str | Path, out: str | Path) -> dict:
                 "draftctl_kind": manifest["kind"]}
     if manifest.get("stop") == "cost":
         metadata["draftctl_step_costs"] = json.dumps(manifest["step_costs"])
+    if manifest.get("pass_shape"):  # the shape its threshold was chosen at
+        metadata["draftctl_pass_shape"] = manifest["pass_shape"]
     onnx.helper.set_model_props(onnx_model, metadata)
     onnx.save(onnx_model, str(out))
 
