@@ -59,8 +59,7 @@ def run_decode(job: DecodeJob) -> Decoded:
                        "model: pass --draft SPEC (a model sharing the target's tokenizer), "
                        "--drafter lookup, or --controller none for plain decoding")
     setup = settle(job.target, draft_spec, job.device, job.dtype, job.pass_shape, job.profile)
-    pass_shape_notice(job.controller, controller,
-                      "free" if drafter.tree else setup.shape.describe())
+    pass_shape_notice(job.controller, controller, drafter.pass_shape(setup.shape).describe())
     config = job.decode_config(setup.shape)
     target = load_model(job.target, job.device, setup.target_dtype)
     draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \

@@ -266,9 +266,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 
     setup = settle(cfg.target, draft_spec, cfg.device, cfg.dtype, cfg.pass_shape, cfg.profile,
                    progress)
-    for spec, controller in controllers.items():  # retrieval drafts' tries run unpadded
-        pass_shape_notice(spec, controller, "free" if parsed[drafter_of[spec]].tree
-                          else setup.shape.describe())
+    for spec, controller in controllers.items():
+        pass_shape_notice(spec, controller,
+                          parsed[drafter_of[spec]].pass_shape(setup.shape).describe())
     decode_config = cfg.decode_config(setup.shape)
     target = load_model(cfg.target, cfg.device, setup.target_dtype)
     draft = load_model(draft_spec, target.device, setup.draft_dtype, target=target) \

@@ -218,7 +218,7 @@ def run_collect(cfg: CollectConfig) -> dict:
     if (out / "run.json").is_file():
         info = open_run_info(out, _run_info(cfg, drafter, draft_spec, None, world))
     else:
-        shape = PassShape() if drafter.tree else decoder.target.shape  # tries run unpadded
+        shape = drafter.pass_shape(decoder.target.shape)
         info = open_run_info(out, _run_info(cfg, drafter, draft_spec,
                                             profile_costs(setup, shape), world),
                              write=rank == 0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import draftctl.decode  # noqa: F401  (first: the decoder imports the drafters' base)
+from draftctl.decode.cached_lm import PassShape
 from draftctl.drafters.base import Draft, Drafter
 from draftctl.drafters.context import LookupConfig
 from draftctl.errors import DraftctlError
@@ -72,6 +73,11 @@ class DrafterSpec:
     @property
     def tree(self) -> bool:
         return self.kind == "rest"
+
+    def pass_shape(self, shape: PassShape) -> PassShape:
+        """The shape its verification passes run at in a decoder set to ``shape``: tries run
+        unpadded (``free``), chains at ``shape``."""
+        return PassShape() if self.tree else shape
 
     def source(self, target: LoadedModel, draft: LoadedModel | None) -> LoadedModel | Drafter | None:
         """What ``SpeculativeDecoder.from_loaded`` takes (with ``lookup=self.lookup``): the
